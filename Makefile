@@ -1,0 +1,50 @@
+# hostpool: the two commands a new user needs are `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# The CPU wheel of torch is pinned and installed first, so nothing can pull a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: run test test-fast lint bench soak dashboards prometheus clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,bench]"
+	touch $(STAMP)
+
+# promtool and prometheus (Debian's package, 2.42) for the rules and end-to-end tests.
+prometheus:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+run: $(STAMP)
+	exec $(VENV)/bin/hostpool serve
+
+test: $(STAMP) prometheus
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -x -q -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check hostpool tests bench dashboards
+	$(VENV)/bin/ruff format --check hostpool tests bench dashboards
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(PY) bench/populate.py
+	$(PY) bench/report.py
+
+soak: $(STAMP)
+	HOSTPOOL_SOAK=1 $(PY) -m pytest tests/reliability -q
+
+dashboards: $(STAMP)
+	$(PY) dashboards/build.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

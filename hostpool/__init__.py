@@ -1,0 +1,70 @@
+"""hostpool: tracked, shared-memory host KV-cache pools for LLM servers.
+
+Names are imported lazily (PEP 562): `import hostpool.testing` or `hostpool.procfs`
+must not pay for torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "HostPoolManager": "hostpool.manager",
+    "LeakReport": "hostpool.manager",
+    "HostTensorAllocator": "hostpool.allocators",
+    "ShmHostTensorAllocator": "hostpool.allocators",
+    "MmapHostTensorAllocator": "hostpool.allocators",
+    "DefaultHostTensorAllocator": "hostpool.allocators",
+    "create_allocator": "hostpool.allocators",
+    "register_allocator": "hostpool.allocators",
+    "alloc_shm": "hostpool.allocators",
+    "alloc_mmap": "hostpool.allocators",
+    "get_allocator_type": "hostpool.allocators",
+    "AllocationRecord": "hostpool.lifecycle",
+    "get_ledger": "hostpool.lifecycle",
+    "HostPoolError": "hostpool.errors",
+    "InvalidRequestError": "hostpool.errors",
+    "ConfigError": "hostpool.errors",
+    "AllocationError": "hostpool.errors",
+    "HugepageUnavailableError": "hostpool.errors",
+}
+
+__all__ = [*sorted(_EXPORTS), "__version__"]
+
+if TYPE_CHECKING:
+    from hostpool.allocators import (
+        DefaultHostTensorAllocator,
+        HostTensorAllocator,
+        MmapHostTensorAllocator,
+        ShmHostTensorAllocator,
+        alloc_mmap,
+        alloc_shm,
+        create_allocator,
+        get_allocator_type,
+        register_allocator,
+    )
+    from hostpool.errors import (
+        AllocationError,
+        ConfigError,
+        HostPoolError,
+        HugepageUnavailableError,
+        InvalidRequestError,
+    )
+    from hostpool.lifecycle import AllocationRecord, get_ledger
+    from hostpool.manager import HostPoolManager, LeakReport
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hostpool' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,5 @@
+import sys
+
+from hostpool.cli import main
+
+sys.exit(main())

@@ -1,0 +1,372 @@
+"""Host tensor allocators: the interface sglang's host KV pools use, recorded in the ledger.
+
+An allocator keeps facts and weak references only (its `fds`/`mms` are computed from its
+live regions): dropping the tensors frees the memory, inside a manager or not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import mmap
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from hostpool import events
+from hostpool.config import load_mapping
+from hostpool.errors import AllocationError, ConfigError, HostPoolError, InvalidRequestError
+from hostpool.lifecycle import Ledger, capture_stack, get_ledger
+from hostpool.memory.options import RegionOptions, validate_pool_name
+from hostpool.memory.region import Kind, Region, create_region, plan_hugepages, tensor_over
+
+# Anything past this is a typo or an overflow, not a KV cache (64 TiB).
+MAX_REQUEST_BYTES = 1 << 46
+
+# Admission: given (bytes, hugetlb page size or None), a context manager that reserves
+# them (raising AllocationError when they do not fit) for the duration of the mmap.
+Admission = Callable[[int, "int | None"], contextlib.AbstractContextManager[Any]]
+
+_UNSUPPORTED_DTYPES = {
+    getattr(torch, name)
+    for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+    if hasattr(torch, name)
+}
+_allocator_ids = itertools.count(1)
+
+
+def request_bytes(dims: object, dtype: object) -> tuple[tuple[int, ...], int]:
+    """Validate (dims, dtype) and return (dims as a tuple, bytes)."""
+    if isinstance(dims, int) and not isinstance(dims, bool):
+        dims = (dims,)
+    if isinstance(dims, torch.Size):
+        dims = tuple(dims)
+    if not isinstance(dims, Sequence) or isinstance(dims, str | bytes) or len(dims) == 0:
+        raise InvalidRequestError(
+            f"dims must be a non-empty sequence of positive ints, got {dims!r}"
+        )
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
+            raise InvalidRequestError(
+                f"every dim must be a positive int (not bool, float or <= 0); got {dims!r}"
+            )
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidRequestError(f"dtype must be a torch.dtype, got {dtype!r}")
+    if dtype in _UNSUPPORTED_DTYPES:
+        raise InvalidRequestError(f"dtype {dtype} cannot live in a host pool buffer")
+    nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+    if nbytes > MAX_REQUEST_BYTES:
+        raise InvalidRequestError(
+            f"request of {nbytes} bytes for dims {tuple(dims)} and {dtype} is beyond any host "
+            f"({MAX_REQUEST_BYTES} bytes max): check the dims"
+        )
+    return tuple(dims), nbytes
+
+
+def check_device(device: object) -> None:
+    if isinstance(device, str | torch.device):
+        try:
+            if torch.device(device).type == "cpu":
+                return
+        except RuntimeError:
+            pass
+    raise InvalidRequestError(
+        f"host pool allocators only make CPU tensors; got device={device!r} "
+        "(copy to the GPU from the host pool instead)"
+    )
+
+
+class HostTensorAllocator:
+    """Makes host tensors of one pool; every region is recorded in the process ledger."""
+
+    kind: ClassVar[Kind]
+    registered_name: ClassVar[str]
+
+    def __init__(
+        self,
+        pool: str = "default",
+        *,
+        ledger: Ledger | None = None,
+        track_stacks: bool | None = None,
+        admission: Admission | None = None,
+        **options: Any,
+    ) -> None:
+        self.pool = validate_pool_name(pool)
+        self.options = RegionOptions.parse(**options)
+        self._ledger = ledger or get_ledger()
+        self._id = next(_allocator_ids)
+        self._track_stacks = track_stacks
+        self._admission = admission
+        self._closed = False
+        self._ledger.add_pool(self.pool)
+        if self.options.pin:
+            _warn_pin_unavailable_once()
+
+    # -- the interface ---------------------------------------------------------------
+    def allocate(self, dims: Any, dtype: torch.dtype, device: Any = "cpu") -> torch.Tensor:
+        """A tensor of `dims`/`dtype` over fresh, populated host memory."""
+        tensor, _region = self._allocate(dims, dtype, device)
+        return tensor
+
+    def close(self) -> None:
+        """Release every region this allocator made. Live views keep their pages mapped
+        ("released, still mapped") until they die; nothing is unmapped under them."""
+        self._closed = True
+        for region in self._ledger.regions(owner=self._id):
+            self._ledger.release(region.id)
+
+    def __enter__(self) -> HostTensorAllocator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- facts -----------------------------------------------------------------------
+    @property
+    def regions(self) -> list[Region]:
+        return self._ledger.regions(owner=self._id)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(r.mapped_bytes for r in self.regions)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(pool={self.pool!r}, regions={len(self.regions)}, "
+            f"bytes={self.allocated_bytes})"
+        )
+
+    # -- internals -------------------------------------------------------------------
+    def _allocate(self, dims: Any, dtype: Any, device: Any) -> tuple[torch.Tensor, Region]:
+        started = time.perf_counter()
+        try:
+            check_device(device)
+            shape, nbytes = request_bytes(dims, dtype)
+            if self._closed:
+                raise InvalidRequestError(f"allocator for pool {self.pool!r} is closed")
+            # Recorded inside the reservation: the budget never sees it in neither place.
+            with self._admit(nbytes):
+                region, holder = create_region(
+                    nbytes,
+                    kind=self.kind,
+                    pool=self.pool,
+                    options=self.options,
+                    on_unmapped=self._ledger.unmapped_callback(),
+                )
+                seconds = time.perf_counter() - started
+                stack = capture_stack(skip=3) if self._tracking() else None
+                self._ledger.record(
+                    region,
+                    allocator=self.registered_name,
+                    owner=self._id,
+                    stack=stack,
+                    seconds=seconds,
+                )
+        except HostPoolError as exc:
+            self._failed(exc, started)
+            raise
+        tensor = tensor_over(holder, shape, dtype)
+        del holder
+        self._emit_alloc(region, seconds)
+        return tensor, region
+
+    @contextlib.contextmanager
+    def _admit(self, nbytes: int) -> Iterator[None]:
+        if self._admission is None:
+            yield
+            return
+        backend = "devshm" if self.options.shm_backend == "devshm" else "memfd"
+        try:
+            plan = plan_hugepages(self.kind, backend, nbytes, self.options)
+        except AllocationError:
+            plan = None  # create_region raises the same error with its full message
+        hugetlb = plan.hugetlb_size if plan is not None else None
+        with self._admission(nbytes, hugetlb):
+            yield
+
+    def _tracking(self) -> bool:
+        if self._track_stacks is not None:
+            return self._track_stacks
+        return self._ledger.track_stacks
+
+    def _failed(self, exc: HostPoolError, started: float) -> None:
+        reason = exc.reason if isinstance(exc, AllocationError) else "invalid"
+        self._ledger.record_failure(self.pool, reason)
+        events.warning(
+            "hostpool.alloc_failed",
+            pool=self.pool,
+            allocator=self.registered_name,
+            reason=reason,
+            error=str(exc),
+            seconds=round(time.perf_counter() - started, 6),
+        )
+
+    def _emit_alloc(self, region: Region, seconds: float) -> None:
+        for reason in region.hugepage_fallbacks:
+            events.info(
+                "hostpool.hugepage_fallback",
+                pool=region.pool,
+                reason=reason,
+                bytes=region.mapped_bytes,
+                hugepages=self.options.hugepages,
+            )
+        events.debug(
+            "hostpool.populate",
+            pool=region.pool,
+            mode=region.populate_mode,
+            bytes=region.mapped_bytes,
+            seconds=round(region.populate_seconds, 6),
+        )
+        events.info(
+            "hostpool.alloc",
+            pool=region.pool,
+            allocator=self.registered_name,
+            bytes=region.mapped_bytes,
+            requested_bytes=region.requested_bytes,
+            fd=region.fd,
+            name=region.name,
+            backend=region.backend,
+            page_size=region.page_size,
+            populate=region.populate_mode,
+            seconds=round(seconds, 6),
+        )
+
+
+class ShmHostTensorAllocator(HostTensorAllocator):
+    """memfd-backed (or /dev/shm fallback) tensors another process can map by fd."""
+
+    kind = "shm"
+    registered_name = "shm"
+
+    @property
+    def fds(self) -> list[int]:
+        return [r.fd for r in self.regions if r.fd is not None]
+
+    @property
+    def mms(self) -> list[mmap.mmap]:
+        return [mm for r in self.regions if (mm := r.mmap()) is not None]
+
+    @property
+    def fd(self) -> int | None:
+        """sglang's `fd`: the newest live region's fd."""
+        fds = self.fds
+        return fds[-1] if fds else None
+
+    @property
+    def mm(self) -> mmap.mmap | None:
+        mms = self.mms
+        return mms[-1] if mms else None
+
+
+class MmapHostTensorAllocator(HostTensorAllocator):
+    """Private anonymous mmap: not shareable, but THP-eligible and cheap to fault."""
+
+    kind = "mmap"
+    registered_name = "mmap"
+
+
+class DefaultHostTensorAllocator(HostTensorAllocator):
+    """Plain torch.empty memory, tracked like the others."""
+
+    kind = "torch"
+    registered_name = "default"
+
+
+_registry: dict[str, type[HostTensorAllocator]] = {
+    "shm": ShmHostTensorAllocator,
+    "mmap": MmapHostTensorAllocator,
+    "default": DefaultHostTensorAllocator,
+}
+
+
+def register_allocator(name: str, cls: type[HostTensorAllocator]) -> None:
+    """Make `cls` available to `create_allocator(name)` and server configs."""
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError(f"allocator name must be a non-empty string, got {name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, HostTensorAllocator)):
+        raise InvalidRequestError(f"{cls!r} is not a HostTensorAllocator subclass")
+    _registry[name] = cls
+
+
+def allocator_names() -> list[str]:
+    return sorted(_registry)
+
+
+def allocator_class(name: str) -> type[HostTensorAllocator]:
+    try:
+        return _registry[name]
+    except (KeyError, TypeError):
+        raise ConfigError(
+            f"unknown allocator {name!r}; registered allocators: {allocator_names()}"
+        ) from None
+
+
+def create_allocator(name: str, **options: Any) -> HostTensorAllocator:
+    """An allocator of a registered type (`shm`, `mmap`, `default`, or registered)."""
+    return allocator_class(name)(**options)
+
+
+def alloc_shm(
+    dims: Any, dtype: torch.dtype, *, pool: str = "default", **options: Any
+) -> tuple[torch.Tensor, int, mmap.mmap]:
+    """sglang's shape: (tensor, fd, mm). The fd is a dup the caller owns and closes;
+    `mm.close()` is safe while the tensor lives (it unmaps with the last view)."""
+    allocator = ShmHostTensorAllocator(pool, **options)
+    tensor, region = allocator._allocate(dims, dtype, "cpu")
+    fd = region.borrow_fd()
+    mm = region.mmap()
+    if fd is None or mm is None:  # cannot happen for a region just made; never hand out junk
+        raise AllocationError("region vanished before it was handed out", reason="other")
+    return tensor, fd, mm
+
+
+def alloc_mmap(
+    dims: Any, dtype: torch.dtype, *, pool: str = "default", **options: Any
+) -> torch.Tensor:
+    """A tensor over anonymous memory; the tensor owns the mapping."""
+    return MmapHostTensorAllocator(pool, **options).allocate(dims, dtype)
+
+
+def _field(server_args: Any, name: str) -> Any:
+    if isinstance(server_args, dict):
+        return server_args.get(name)
+    return getattr(server_args, name, None)
+
+
+def get_allocator_type(server_args: Any) -> str:
+    """sglang's rule: "shm" for the shm backend, or "dynamic" whose extra config says
+    `"allocator": "shm"`; else the backend name; else "default"."""
+    backend = _field(server_args, "hicache_storage_backend")
+    if backend is None or backend == "":
+        return "default"
+    if not isinstance(backend, str):
+        raise ConfigError(f"hicache_storage_backend must be a string, got {backend!r}")
+    if backend == "shm":
+        return "shm"
+    if backend == "dynamic":
+        extra = load_mapping(
+            _field(server_args, "hicache_storage_backend_extra_config"),
+            what="hicache_storage_backend_extra_config",
+        )
+        allocator = extra.get("allocator")
+        if allocator is not None and not isinstance(allocator, str):
+            raise ConfigError(f"extra config 'allocator' must be a string, got {allocator!r}")
+        if allocator == "shm":
+            return "shm"
+    return backend
+
+
+_pin_warned = False
+
+
+def _warn_pin_unavailable_once() -> None:
+    global _pin_warned
+    from hostpool.memory import cuda
+
+    if _pin_warned or cuda.get_runtime().available():
+        return
+    _pin_warned = True
+    events.info("hostpool.pin_unavailable", reason="torch has no CUDA; pin=True is a no-op")

@@ -1,0 +1,55 @@
+"""The `hostpool` command: serve, inspect, exporter, doctor.
+
+Exit codes: 0 ok, 1 runtime failure or failed check, 2 usage or bad input.
+Logs go to stderr, data to stdout. Each subcommand lives in its own module with
+`add_parser(subparsers)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from hostpool.errors import ConfigError, InvalidRequestError
+
+# Subcommand name -> module under hostpool.cli. Imported lazily so `hostpool doctor`
+# does not pay for torch when it does not need it.
+SUBCOMMANDS: dict[str, str] = {
+    "serve": "hostpool.cli.serve",
+    "inspect": "hostpool.cli.inspect",
+    "exporter": "hostpool.cli.exporter",
+    "doctor": "hostpool.cli.doctor",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hostpool", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module_name in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from hostpool.cli.logsetup import configure_logging
+
+    configure_logging(args.log_level)
+    try:
+        code: int = args.run(args)
+    except (InvalidRequestError, ConfigError) as exc:
+        print(f"hostpool {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return code

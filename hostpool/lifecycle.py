@@ -1,0 +1,316 @@
+"""The process-wide Ledger: every live region, from birth to release, counted once.
+
+Managers, allocators and `alloc_shm` all record here; managers are views of it.
+
+- A region is released exactly once, `explicit` (allocator/manager close) or `finalizer`
+  (its mapping was collected). Explicit release while views live leaves it "released,
+  still mapped" until the last view dies; its bytes stay visible.
+- Finalizers run inside cyclic GC, on any thread, possibly while this thread holds the
+  ledger lock. So they take no lock: they append `(generation, region_id)` to a deque,
+  and every ledger operation drains that queue under the lock.
+- Fork: the child gets a fresh generation; queued or future finalizer notices of the
+  parent's regions are ignored, and the child starts with an empty ledger.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import functools
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hostpool import events
+from hostpool.memory.region import Region
+from hostpool.memory.units import format_size
+
+# hostpool_allocation_duration_seconds buckets: 1 ms .. 10 min.
+DURATION_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AllocationRecord:
+    """One region as the ledger knows it: plain values, JSON-serialisable."""
+
+    id: int
+    pool: str
+    allocator: str
+    kind: str
+    backend: str
+    name: str | None
+    state: str  # "live" or "released_mapped"
+    requested_bytes: int
+    mapped_bytes: int
+    page_size: int
+    address: int
+    fd: int | None
+    open_fds: int
+    device: int | None
+    inode: int | None
+    created_at: float
+    populate_mode: str
+    populate_seconds: float
+    hugepage_fallbacks: tuple[str, ...]
+    seals: int
+    numa_node: int | None
+    pinned_bytes: int
+    stack: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["hugepage_fallbacks"] = list(self.hugepage_fallbacks)
+        return d
+
+
+@dataclass
+class _Entry:
+    region: Region
+    allocator: str
+    owner: int  # id of the allocator object that made it
+    stack: str | None
+    state: str = "live"
+
+
+@dataclass
+class _Histogram:
+    counts: list[int] = field(default_factory=lambda: [0] * (len(DURATION_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+
+def tracking_stacks_from_env() -> bool:
+    return os.environ.get("HOSTPOOL_TRACK_STACKS", "") not in ("", "0", "false", "no")
+
+
+class Ledger:
+    """Thread-safe record of this process's regions and lifetime counters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[int, _Entry] = {}
+        self._gone: collections.deque[tuple[int, int]] = collections.deque()
+        self._generation = 0
+        self.pid = os.getpid()
+        self.known_pools: dict[str, None] = {}
+        self.allocations_total: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.releases_total: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.failures_total: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.fallbacks_total: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.durations: dict[str, _Histogram] = {}
+        self.budgets: list[Any] = []  # objects with limit_bytes() / reserved_bytes()
+        self.share_clients: Callable[[], dict[str, int]] | None = None
+        self.track_stacks = tracking_stacks_from_env()
+
+    # -- finalizer side: no lock, no region reference -------------------------------
+    def unmapped_callback(self) -> Callable[[int], None]:
+        """A callable for the memory layer's finalizer, bound to this generation."""
+        return functools.partial(_notify_gone, self._gone, self._generation)
+
+    # -- recording -------------------------------------------------------------------
+    def add_pool(self, pool: str) -> None:
+        with self._lock:
+            self.known_pools.setdefault(pool, None)
+
+    def record(
+        self,
+        region: Region,
+        *,
+        allocator: str,
+        owner: int,
+        stack: str | None,
+        seconds: float,
+    ) -> None:
+        with self._lock:
+            self._drain_locked()
+            self._entries[region.id] = _Entry(region, allocator, owner, stack)
+            self.known_pools.setdefault(region.pool, None)
+            self.allocations_total[(region.pool, allocator)] += 1
+            for reason in region.hugepage_fallbacks:
+                self.fallbacks_total[(region.pool, reason)] += 1
+            self.durations.setdefault(region.pool, _Histogram()).observe(seconds)
+
+    def record_failure(self, pool: str, reason: str) -> None:
+        with self._lock:
+            self.known_pools.setdefault(pool, None)
+            self.failures_total[(pool, reason)] += 1
+
+    def release(self, region_id: int) -> bool | None:
+        """Explicit release. True: unmapped now; False: still mapped by views;
+        None: not live (already released, or collected)."""
+        finished: list[tuple[str, _Entry]] = []
+        with self._lock:
+            finished += self._drain_locked()
+            entry = self._entries.get(region_id)
+            if entry is None or entry.state != "live":
+                result = None
+            else:
+                gone = entry.region.close()
+                self.releases_total[(entry.region.pool, "explicit")] += 1
+                if gone:
+                    del self._entries[region_id]
+                else:
+                    entry.state = "released_mapped"
+                finished.append(("explicit", entry))
+                result = gone
+        _emit_releases(finished)
+        return result
+
+    def drain(self) -> None:
+        """Process finalizer notices now (leak checks and snapshots call this first)."""
+        with self._lock:
+            finished = self._drain_locked()
+        _emit_releases(finished)
+
+    def _drain_locked(self) -> list[tuple[str, _Entry]]:
+        finished: list[tuple[str, _Entry]] = []
+        while True:
+            try:
+                generation, region_id = self._gone.popleft()
+            except IndexError:
+                return finished
+            if generation != self._generation:
+                continue  # a parent's region, seen from a forked child
+            entry = self._entries.pop(region_id, None)
+            if entry is None:
+                continue
+            if entry.state == "live":
+                self.releases_total[(entry.region.pool, "finalizer")] += 1
+                finished.append(("finalizer", entry))
+            entry.region.detach_finalizers()
+
+    # -- reading ---------------------------------------------------------------------
+    def entries(self, *, owner: int | None = None, pool: str | None = None) -> list[_Entry]:
+        with self._lock:
+            self._drain_locked()
+            return [
+                e
+                for e in self._entries.values()
+                if (owner is None or e.owner == owner) and (pool is None or e.region.pool == pool)
+            ]
+
+    def regions(self, *, owner: int | None = None, state: str | None = "live") -> list[Region]:
+        return [e.region for e in self.entries(owner=owner) if state is None or e.state == state]
+
+    def snapshot(
+        self, pools: Iterable[str] | None = None, *, owners: set[int] | None = None
+    ) -> list[AllocationRecord]:
+        """Plain records of live and released-still-mapped regions, oldest first."""
+        wanted = set(pools) if pools is not None else None
+        return [
+            _record(e)
+            for e in self.entries()
+            if (wanted is None or e.region.pool in wanted) and (owners is None or e.owner in owners)
+        ]
+
+    def counters(self) -> dict[str, Any]:
+        """A consistent copy of the lifetime counters (for the collector)."""
+        with self._lock:
+            self._drain_locked()
+            return {
+                "allocations_total": dict(self.allocations_total),
+                "releases_total": dict(self.releases_total),
+                "failures_total": dict(self.failures_total),
+                "fallbacks_total": dict(self.fallbacks_total),
+                "durations": {p: (list(h.counts), h.total) for p, h in self.durations.items()},
+                "known_pools": list(self.known_pools),
+            }
+
+    # -- fork ------------------------------------------------------------------------
+    def _after_fork_in_child(self) -> None:
+        # The child owns none of the parent's regions: it must not release or count
+        # them. The lock may have been held by another parent thread: replace it.
+        self._lock = threading.Lock()
+        self._generation += 1
+        self._entries = {}
+        self._gone = collections.deque()
+        self.pid = os.getpid()
+        for counter in (
+            self.allocations_total,
+            self.releases_total,
+            self.failures_total,
+            self.fallbacks_total,
+        ):
+            counter.clear()
+        self.durations = {}
+
+
+def _notify_gone(queue: collections.deque[tuple[int, int]], generation: int, rid: int) -> None:
+    queue.append((generation, rid))
+
+
+def _record(entry: _Entry) -> AllocationRecord:
+    r = entry.region
+    return AllocationRecord(
+        id=r.id,
+        pool=r.pool,
+        allocator=entry.allocator,
+        kind=r.kind,
+        backend=r.backend,
+        name=r.name,
+        state=entry.state,
+        requested_bytes=r.requested_bytes,
+        mapped_bytes=r.mapped_bytes,
+        page_size=r.page_size,
+        address=r.address,
+        fd=r.fd,
+        open_fds=r.open_fd_count(),
+        device=r.dev_ino[0] if r.dev_ino else None,
+        inode=r.dev_ino[1] if r.dev_ino else None,
+        created_at=r.created_at,
+        populate_mode=r.populate_mode,
+        populate_seconds=r.populate_seconds,
+        hugepage_fallbacks=r.hugepage_fallbacks,
+        seals=r.seals,
+        numa_node=r.numa_node,
+        pinned_bytes=r.pinned_bytes,
+        stack=entry.stack,
+    )
+
+
+def _emit_releases(finished: list[tuple[str, _Entry]]) -> None:
+    for how, entry in finished:
+        r = entry.region
+        events.info(
+            "hostpool.release",
+            how=how,
+            pool=r.pool,
+            allocator=entry.allocator,
+            bytes=r.mapped_bytes,
+            name=r.name,
+            still_mapped=entry.state == "released_mapped",
+        )
+
+
+def capture_stack(skip: int = 2) -> str:
+    """The caller's stack, innermost last, without hostpool's own frames."""
+    frames = traceback.extract_stack()[:-skip]
+    keep = [f for f in frames if "/hostpool/" not in f.filename.replace(os.sep, "/")]
+    return "".join(traceback.format_list(keep or frames))
+
+
+_ledger = Ledger()
+os.register_at_fork(after_in_child=_ledger._after_fork_in_child)
+
+
+def get_ledger() -> Ledger:
+    """The one ledger of this process."""
+    return _ledger
+
+
+def describe_bytes(n: int) -> str:
+    return f"{n} bytes ({format_size(n)})"
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,163 @@
+"""HostPoolManager: one allocator per pool, a budget, snapshots, metrics, and close."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from hostpool import events
+from hostpool.allocators import HostTensorAllocator, allocator_class
+from hostpool.budget import Admission, BudgetPolicy, as_policy
+from hostpool.errors import InvalidRequestError
+from hostpool.lifecycle import AllocationRecord, Ledger, get_ledger
+from hostpool.memory.options import validate_pool_name
+from hostpool.memory.units import format_size
+
+
+@dataclass(frozen=True)
+class LeakReport:
+    """Regions still mapped by live tensors when the manager closed."""
+
+    leaks: tuple[AllocationRecord, ...] = field(default_factory=tuple)
+
+    def __bool__(self) -> bool:
+        return bool(self.leaks)
+
+    @property
+    def leaked_bytes(self) -> int:
+        return sum(r.mapped_bytes for r in self.leaks)
+
+    def __str__(self) -> str:
+        if not self.leaks:
+            return "no leaks"
+        lines = [f"{len(self.leaks)} region(s), {format_size(self.leaked_bytes)} still mapped:"]
+        for r in self.leaks:
+            lines.append(
+                f"- pool {r.pool}: {r.mapped_bytes} bytes ({format_size(r.mapped_bytes)}), "
+                f"{r.allocator} allocator, {r.name or r.backend}"
+            )
+            if r.stack:
+                lines.extend("    " + line for line in r.stack.rstrip().splitlines())
+        return "\n".join(lines)
+
+
+class HostPoolManager:
+    """Owns one allocator per pool; a view of the process-wide ledger."""
+
+    def __init__(
+        self,
+        *,
+        track_stacks: bool = False,
+        budget: int | BudgetPolicy | None = None,
+        headroom: int | None = None,
+        ledger: Ledger | None = None,
+    ) -> None:
+        self._ledger = ledger or get_ledger()
+        self._track_stacks = track_stacks or self._ledger.track_stacks
+        self._lock = threading.Lock()
+        self._allocators: dict[str, HostTensorAllocator] = {}
+        self._admission = Admission(as_policy(budget), self._held_bytes, headroom=headroom)
+        self._ledger.budgets.append(self._admission)
+        self._closed = False
+
+    def allocator(
+        self, pool: str, allocator_type: str = "shm", **options: Any
+    ) -> HostTensorAllocator:
+        """The pool's allocator, created on first use with these options."""
+        validate_pool_name(pool)
+        with self._lock:
+            if self._closed:
+                raise InvalidRequestError("this HostPoolManager is closed")
+            existing = self._allocators.get(pool)
+            if existing is not None:
+                if existing.registered_name != allocator_type:
+                    raise InvalidRequestError(
+                        f"pool {pool!r} already uses the {existing.registered_name!r} "
+                        f"allocator, not {allocator_type!r}"
+                    )
+                return existing
+            cls = allocator_class(allocator_type)
+            created = cls(
+                pool,
+                ledger=self._ledger,
+                track_stacks=self._track_stacks,
+                admission=self._admission.reserve,
+                **options,
+            )
+            self._allocators[pool] = created
+            return created
+
+    @property
+    def pools(self) -> list[str]:
+        return list(self._allocators)
+
+    def _owner_ids(self) -> set[int]:
+        return {a._id for a in self._allocators.values()}
+
+    def _held_bytes(self) -> int:
+        owners = self._owner_ids()
+        return sum(e.region.mapped_bytes for e in self._ledger.entries() if e.owner in owners)
+
+    def snapshot(self) -> list[AllocationRecord]:
+        """Plain records of this manager's regions (live and released-still-mapped)."""
+        return self._ledger.snapshot(owners=self._owner_ids())
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """Per pool: live allocations, allocated bytes, released-still-mapped bytes."""
+        out: dict[str, dict[str, int]] = {
+            p: {"allocations": 0, "bytes": 0, "released_mapped_bytes": 0} for p in self.pools
+        }
+        for r in self.snapshot():
+            t = out.setdefault(r.pool, {"allocations": 0, "bytes": 0, "released_mapped_bytes": 0})
+            if r.state == "live":
+                t["allocations"] += 1
+                t["bytes"] += r.mapped_bytes
+            else:
+                t["released_mapped_bytes"] += r.mapped_bytes
+        return out
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self._admission.limit_bytes()
+
+    @property
+    def budget_reserved_bytes(self) -> int:
+        return self._admission.reserved_bytes()
+
+    def register_metrics(self, registry: Any = None) -> Any:
+        """Register hostpool's collector with `registry` (default: the global one)."""
+        from hostpool.metrics import register_metrics
+
+        return register_metrics(registry, ledger=self._ledger)
+
+    def close(self) -> LeakReport:
+        """Release every region; those still mapped by live tensors are the LeakReport."""
+        with self._lock:
+            already = self._closed
+            self._closed = True
+            allocators = list(self._allocators.values())
+        for a in allocators:
+            a.close()
+        owners = {a._id for a in allocators}
+        leaks = tuple(
+            r for r in self._ledger.snapshot(owners=owners) if r.state == "released_mapped"
+        )
+        for r in () if already else leaks:
+            events.warning(
+                "hostpool.leak",
+                pool=r.pool,
+                bytes=r.mapped_bytes,
+                name=r.name,
+                allocator=r.allocator,
+                stack=r.stack,
+            )
+        if self._admission in self._ledger.budgets:
+            self._ledger.budgets.remove(self._admission)
+        return LeakReport(leaks)
+
+    def __enter__(self) -> HostPoolManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,15 @@
+"""OS layer: shared memory, mappings, populate, hugepages, seals, pinning. No policy."""
+
+from hostpool.memory.options import RegionOptions
+from hostpool.memory.region import Region, create_region, plan_hugepages, tensor_over
+from hostpool.memory.units import format_size, parse_size
+
+__all__ = [
+    "Region",
+    "RegionOptions",
+    "create_region",
+    "format_size",
+    "parse_size",
+    "plan_hugepages",
+    "tensor_over",
+]

@@ -1,0 +1,135 @@
+"""Allocator options, validated once into a frozen value the memory layer can trust."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from hostpool.errors import InvalidRequestError
+from hostpool.memory import kernel
+from hostpool.memory.units import parse_size
+
+HugepageMode = Literal["off", "prefer", "required"]
+PopulateMode = Literal["auto", "madvise", "map_populate", "touch", "none"]
+ShmBackend = Literal["auto", "memfd", "devshm"]
+
+HUGEPAGE_MODES = ("off", "prefer", "required")
+POPULATE_MODES = ("auto", "madvise", "map_populate", "touch", "none")
+SHM_BACKENDS = ("auto", "memfd", "devshm")
+POOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+DEFAULT_PIN_CHUNK = 1 << 30
+
+
+def validate_pool_name(pool: object) -> str:
+    if not isinstance(pool, str) or not POOL_NAME.fullmatch(pool):
+        raise InvalidRequestError(
+            f"pool name must match [A-Za-z0-9_-]{{1,64}} (it becomes part of memfd names "
+            f"and metric labels); got {pool!r}"
+        )
+    return pool
+
+
+@dataclass(frozen=True)
+class RegionOptions:
+    """How one allocator's regions are made. Build with `RegionOptions.parse(**options)`."""
+
+    hugepages: HugepageMode = "off"
+    hugepage_size: int = 2 << 20
+    populate: PopulateMode = "auto"
+    populate_threads: int = 0  # 0: min(8, cpu count)
+    pin: bool = False
+    pin_chunk_bytes: int = DEFAULT_PIN_CHUNK
+    numa_node: int | None = None
+    shm_backend: ShmBackend = "auto"
+    fallback_dir: str = "/dev/shm"
+    name_prefix: str = "hostpool."
+    seal: bool = True
+
+    @classmethod
+    def parse(cls, **options: Any) -> RegionOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown allocator option(s) {unknown}; known: {sorted(known)}"
+            )
+        values: dict[str, Any] = {}
+        mode = options.get("hugepages", "off")
+        if mode is None or mode is False:
+            mode = "off"
+        if mode not in HUGEPAGE_MODES:
+            raise InvalidRequestError(f"hugepages must be one of {HUGEPAGE_MODES}, got {mode!r}")
+        values["hugepages"] = mode
+        if "hugepage_size" in options:
+            values["hugepage_size"] = _hugepage_size(options["hugepage_size"], mode)
+        populate = options.get("populate", "auto")
+        if populate not in POPULATE_MODES:
+            raise InvalidRequestError(f"populate must be one of {POPULATE_MODES}, got {populate!r}")
+        values["populate"] = populate
+        threads = options.get("populate_threads", 0)
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= 256:
+            raise InvalidRequestError(f"populate_threads must be an int in 0..256, got {threads!r}")
+        values["populate_threads"] = threads
+        pin = options.get("pin", False)
+        if not isinstance(pin, bool):
+            raise InvalidRequestError(f"pin must be True or False, got {pin!r}")
+        values["pin"] = pin
+        if "pin_chunk_bytes" in options:
+            chunk = parse_size(options["pin_chunk_bytes"], what="pin_chunk_bytes")
+            if chunk <= 0:
+                raise InvalidRequestError("pin_chunk_bytes must be positive")
+            values["pin_chunk_bytes"] = chunk
+        values["numa_node"] = _numa_node(options.get("numa_node"))
+        backend = options.get("shm_backend", "auto")
+        if backend not in SHM_BACKENDS:
+            raise InvalidRequestError(f"shm_backend must be one of {SHM_BACKENDS}, got {backend!r}")
+        values["shm_backend"] = backend
+        fallback_dir = options.get("fallback_dir", "/dev/shm")
+        if not isinstance(fallback_dir, str | os.PathLike) or not os.path.isdir(fallback_dir):
+            raise InvalidRequestError(
+                f"fallback_dir must be an existing directory: {fallback_dir!r}"
+            )
+        values["fallback_dir"] = os.fspath(fallback_dir)
+        prefix = options.get("name_prefix", "hostpool.")
+        if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", prefix):
+            raise InvalidRequestError(f"name_prefix must be [A-Za-z0-9_.-]{{1,64}}: {prefix!r}")
+        values["name_prefix"] = prefix
+        seal = options.get("seal", True)
+        if not isinstance(seal, bool):
+            raise InvalidRequestError(f"seal must be True or False, got {seal!r}")
+        values["seal"] = seal
+        return cls(**values)
+
+    def effective_populate_threads(self) -> int:
+        return self.populate_threads or min(8, os.cpu_count() or 1)
+
+
+def _hugepage_size(value: object, mode: str) -> int:
+    size = parse_size(value, what="hugepage_size")
+    if size <= 0 or size & (size - 1):
+        raise InvalidRequestError(
+            f"hugepage_size must be a power of two such as 2MB or 1GB: {value!r}"
+        )
+    sizes = sorted(kernel.hugepage_pools())
+    if mode != "off" and sizes and size not in sizes:
+        # `prefer` still falls back at allocation time with a counted reason; a size the
+        # hardware can never have is a bad request either way.
+        if size < 64 << 10:
+            raise InvalidRequestError(
+                f"hugepage_size {value!r} is not a hugepage size; this host has "
+                f"{[s // 1024 for s in sizes]} kB"
+            )
+    return size
+
+
+def _numa_node(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequestError(f"numa_node must be a non-negative int or None, got {value!r}")
+    nodes = kernel.numa_nodes()
+    if value not in nodes:
+        raise InvalidRequestError(f"numa_node {value} is not online; online nodes: {nodes}")
+    return value

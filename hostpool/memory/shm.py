@@ -1,0 +1,97 @@
+"""Shared-memory file descriptors: memfd, or a file in /dev/shm when memfd is unavailable.
+
+The fallback file is created `O_CREAT|O_EXCL|O_NOFOLLOW`, mode 0600, with a random suffix,
+and unlinked at once: a planted symlink or a pre-created file of the same name is never
+opened, and nothing is left in the directory if the process dies.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import os
+import secrets
+from dataclasses import dataclass
+
+from hostpool.errors import AllocationError
+from hostpool.memory import syscalls
+
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+DEVSHM_ATTEMPTS = 16
+_sequence = itertools.count()
+
+
+@dataclass(frozen=True)
+class ShmFile:
+    fd: int
+    name: str
+    backend: str  # "memfd" or "devshm"
+    hugetlb_page_size: int | None  # set for MFD_HUGETLB memfds
+
+
+def next_name(prefix: str, pool: str) -> str:
+    """`<prefix><pool>.<pid>.<seq>`: an operator reading /proc/PID/fd sees the pool."""
+    return f"{prefix}{pool}.{os.getpid()}.{next(_sequence)}"
+
+
+def _hugetlb_flag(page_size: int) -> int:
+    return syscalls.MFD_HUGETLB | ((page_size.bit_length() - 1) << syscalls.MFD_HUGE_SHIFT)
+
+
+def create_memfd(name: str, *, hugetlb_page_size: int | None = None) -> ShmFile:
+    """A sealable memfd (with MFD_NOEXEC_SEAL where the kernel has it), mode 0600.
+
+    memfd inodes are born 0777: fchmod stops another uid that is handed a read-only fd
+    from reopening /proc/PID/fd/N read-write.
+    """
+    flags = syscalls.MFD_CLOEXEC | syscalls.MFD_ALLOW_SEALING
+    if hugetlb_page_size is not None:
+        flags |= _hugetlb_flag(hugetlb_page_size)
+    try:
+        fd = syscalls.memfd_create(name, flags | syscalls.MFD_NOEXEC_SEAL)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        fd = syscalls.memfd_create(name, flags)  # kernel < 6.3: no MFD_NOEXEC_SEAL
+    try:
+        os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return ShmFile(fd=fd, name=name, backend="memfd", hugetlb_page_size=hugetlb_page_size)
+
+
+def create_devshm(name: str, directory: str) -> ShmFile:
+    """An unlinked 0600 file in `directory`, never following or reusing a planted name."""
+    for _ in range(DEVSHM_ATTEMPTS):
+        full = f"{name}.{secrets.token_hex(8)}"
+        path = os.path.join(directory, full)
+        try:
+            fd = os.open(
+                path,
+                os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR | os.O_CLOEXEC,
+                0o600,
+            )
+        except FileExistsError:
+            continue  # a file or a symlink is already there: never touch it
+        try:
+            os.unlink(path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return ShmFile(fd=fd, name=full, backend="devshm", hugetlb_page_size=None)
+    raise AllocationError(
+        f"could not create a unique file in {directory} after {DEVSHM_ATTEMPTS} attempts: "
+        "every random name already existed (is something planting files there?)",
+        reason="other",
+    )
+
+
+def size_and_seal(shm: ShmFile, nbytes: int, *, seal: bool) -> int:
+    """ftruncate to `nbytes`, then seal SHRINK|GROW|SEAL (memfd only). Returns the seals."""
+    os.ftruncate(shm.fd, nbytes)
+    if not seal or shm.backend != "memfd":
+        return 0
+    fcntl.fcntl(shm.fd, fcntl.F_ADD_SEALS, SEALS)
+    return fcntl.fcntl(shm.fd, fcntl.F_GET_SEALS)

@@ -1,0 +1,56 @@
+"""Byte sizes as people write them: 4096, "2MB", "2MiB", "1GB", "4GiB", "512k"."""
+
+from __future__ import annotations
+
+import re
+
+from hostpool.errors import InvalidRequestError
+
+# Hugepage and memory sizes in this domain are binary: "2MB" means 2 MiB, as sglang's
+# SGLANG_HUGEPAGE_SIZE and the kernel's hugepages-2048kB do.
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(value: object, *, what: str = "size") -> int:
+    """Bytes from an int or a string such as "4GiB"; InvalidRequestError otherwise."""
+    if isinstance(value, bool):
+        raise InvalidRequestError(f"{what} must be a byte count, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidRequestError(f"{what} must not be negative, got {value}")
+        return value
+    if isinstance(value, str):
+        match = _SIZE.fullmatch(value)
+        if match and match.group(2).lower() in _UNITS:
+            number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+            if number != int(number):
+                raise InvalidRequestError(f"{what} {value!r} is not a whole number of bytes")
+            return int(number)
+    raise InvalidRequestError(
+        f"{what} must be bytes or a size like '2MB', '1GiB', '512k'; got {value!r}"
+    )
+
+
+def format_size(n: int) -> str:
+    """Short binary form used in labels and messages: 4KiB, 2MiB, 1GiB, 1.5GiB."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
+    return f"{n}B"
