@@ -1,0 +1,87 @@
+"""Independent measurements for tests: /proc, fstat and mincore, never hostpool's own view."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
+
+
+def fd_links(prefix: str = "hostpool.") -> dict[int, str]:
+    """fd -> link target for shm fds whose name starts with `prefix`."""
+    out: dict[int, str] = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        base = target.removeprefix("/memfd:").removeprefix("/dev/shm/")
+        if base.startswith(prefix) or f"/{prefix}" in target:
+            out[int(name)] = target
+    return out
+
+
+def maps_lines(substring: str) -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line for line in f if substring in line]
+
+
+def mapped_ranges() -> list[tuple[int, int]]:
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = line.split()[0].split("-")
+            ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges
+
+
+def range_mapped(address: int, length: int) -> bool:
+    """Whether any byte of [address, address+length) is still mapped."""
+    end = address + length
+    return any(lo < end and address < hi for lo, hi in mapped_ranges())
+
+
+def mincore_resident(address: int, length: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    pages = (length + page - 1) // page
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vec) == 0
+    return sum(1 for b in bytes(vec) if b & 1) * page
+
+
+def shmem_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no Shmem in /proc/meminfo")
+
+
+@contextlib.contextmanager
+def reserved_hugepages(count: int) -> Iterator[int]:
+    """Reserve `count` 2 MiB hugepages (root), yield how many the kernel gave, restore."""
+    old = int(NR_HUGEPAGES.read_text())
+    try:
+        NR_HUGEPAGES.write_text(str(count))
+        yield int(NR_HUGEPAGES.read_text())
+    finally:
+        NR_HUGEPAGES.write_text(str(old))
+
+
+def run_python(code: str, *, timeout: float = 120, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    """Run `code` in a fresh interpreter (for cases that could crash the process)."""
+    return subprocess.run(  # type: ignore[call-overload,no-any-return]
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )

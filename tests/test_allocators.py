@@ -1,0 +1,261 @@
+"""Allocators: ownership, close under live views, bad inputs, get_allocator_type."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import hostpool
+from hostpool import (
+    ConfigError,
+    DefaultHostTensorAllocator,
+    InvalidRequestError,
+    MmapHostTensorAllocator,
+    ShmHostTensorAllocator,
+    create_allocator,
+    get_allocator_type,
+    register_allocator,
+)
+from hostpool.errors import HostPoolError
+from hostpool.lifecycle import get_ledger
+from tests import helpers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_close_with_live_views_does_not_crash_and_unmaps_with_last_view() -> None:
+    proc = helpers.run_python(
+        """
+        import gc, torch
+        from hostpool import ShmHostTensorAllocator, MmapHostTensorAllocator
+        from tests import helpers
+        for cls in (ShmHostTensorAllocator, MmapHostTensorAllocator):
+            a = cls("views")
+            t = a.allocate((1 << 20,), torch.uint8)
+            view = t[4096:8192]
+            r = a.regions[0]
+            address, length = r.address, r.mapped_bytes
+            del t
+            a.close()
+            a.close()                       # idempotent
+            mm = r.mmap()
+            if mm is not None:
+                mm.close()                  # never unmaps under a live view
+                del mm
+            view.fill_(7)                   # still mapped: no SIGSEGV
+            assert int(view.sum()) == 7 * 4096
+            assert helpers.range_mapped(address, length)
+            # only mmap's internal dup remains while the mapping lives (Python 3.11)
+            assert len(helpers.fd_links()) == (1 if cls is ShmHostTensorAllocator else 0)
+            assert r.open_fd_count() == len(helpers.fd_links())
+            del view
+            gc.collect()
+            assert not helpers.range_mapped(address, length), cls
+            assert helpers.fd_links() == {}
+        print("ok")
+        """,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
+
+
+def test_allocator_holds_no_memory_of_its_own(no_leaked_fds: None) -> None:
+    alloc = ShmHostTensorAllocator("weak")
+    tensors = [alloc.allocate((64, 1024), torch.float16) for _ in range(3)]
+    assert len(alloc.fds) == 3 and len(alloc.mms) == 3
+    assert alloc.fd == alloc.fds[-1]
+    regions = alloc.regions
+    ranges = [(r.address, r.mapped_bytes) for r in regions]
+    del tensors, regions
+    gc.collect()
+    assert alloc.fds == [] and alloc.mms == [] and alloc.regions == []
+    for address, length in ranges:
+        assert not helpers.range_mapped(address, length)
+
+
+def test_every_allocator_type_round_trips() -> None:
+    for name, cls in (
+        ("shm", ShmHostTensorAllocator),
+        ("mmap", MmapHostTensorAllocator),
+        ("default", DefaultHostTensorAllocator),
+    ):
+        alloc = create_allocator(name, pool="rt")
+        assert isinstance(alloc, cls)
+        t = alloc.allocate((2, 3, 5), torch.bfloat16)
+        t.copy_(torch.arange(30, dtype=torch.bfloat16).reshape(2, 3, 5))
+        assert t.dtype == torch.bfloat16 and t.shape == (2, 3, 5)
+        assert float(t[1, 2, 4]) == 29.0
+        alloc.close()
+        del t
+
+
+def test_register_allocator() -> None:
+    class Tagged(ShmHostTensorAllocator):
+        registered_name = "tagged"
+
+    register_allocator("tagged", Tagged)
+    alloc = create_allocator("tagged", pool="tag")
+    t = alloc.allocate((16,), torch.uint8)
+    assert get_ledger().snapshot(["tag"])[0].allocator == "tagged"
+    alloc.close()
+    del t
+    with pytest.raises(InvalidRequestError):
+        register_allocator("bad", dict)  # type: ignore[arg-type]
+
+
+BAD_REQUESTS = [
+    ((-1, 4), torch.float32, "cpu", InvalidRequestError),
+    ((0, 4), torch.float32, "cpu", InvalidRequestError),
+    ((True, 4), torch.float32, "cpu", InvalidRequestError),
+    ((2.5, 4), torch.float32, "cpu", InvalidRequestError),
+    ((), torch.float32, "cpu", InvalidRequestError),
+    ("12", torch.float32, "cpu", InvalidRequestError),
+    (None, torch.float32, "cpu", InvalidRequestError),
+    ((1 << 40, 1 << 10), torch.float32, "cpu", InvalidRequestError),
+    ((4,), "float32", "cpu", InvalidRequestError),
+    ((4,), None, "cpu", InvalidRequestError),
+    ((4,), torch.quint8, "cpu", InvalidRequestError),
+    ((4,), torch.float32, "cuda", InvalidRequestError),
+    ((4,), torch.float32, "meta", InvalidRequestError),
+    ((4,), torch.float32, 3, InvalidRequestError),
+]
+
+
+@pytest.mark.parametrize("dims,dtype,device,error", BAD_REQUESTS)
+def test_bad_requests_raise_typed_errors_and_leak_nothing(
+    dims: object, dtype: object, device: object, error: type[Exception], no_leaked_fds: None
+) -> None:
+    alloc = ShmHostTensorAllocator("bad")
+    before = get_ledger().counters()["failures_total"].get(("bad", "invalid"), 0)
+    with pytest.raises(error):
+        alloc.allocate(dims, dtype, device)  # type: ignore[arg-type]
+    assert alloc.regions == []
+    assert get_ledger().counters()["failures_total"][("bad", "invalid")] == before + 1
+
+
+BAD_OPTIONS = [
+    ({"hugepages": "sometimes"}, InvalidRequestError),
+    ({"hugepages": "prefer", "hugepage_size": "3MB"}, InvalidRequestError),
+    ({"hugepage_size": "huge"}, InvalidRequestError),
+    ({"hugepage_size": -2}, InvalidRequestError),
+    ({"populate": "eager"}, InvalidRequestError),
+    ({"populate_threads": -1}, InvalidRequestError),
+    ({"pin": "yes"}, InvalidRequestError),
+    ({"numa_node": 99}, InvalidRequestError),
+    ({"numa_node": -1}, InvalidRequestError),
+    ({"shm_backend": "ramfs"}, InvalidRequestError),
+    ({"fallback_dir": "/nonexistent/dir"}, InvalidRequestError),
+    ({"colour": "blue"}, InvalidRequestError),
+]
+
+
+@pytest.mark.parametrize("options,error", BAD_OPTIONS)
+def test_bad_options_are_rejected_up_front(
+    options: dict[str, object], error: type[Exception], no_leaked_fds: None
+) -> None:
+    with pytest.raises(error):
+        ShmHostTensorAllocator("opts", **options)
+
+
+@pytest.mark.parametrize("pool", ["", "a" * 65, "kv/../x", "kv pool", "kv.1", None, 3])
+def test_bad_pool_names(pool: object) -> None:
+    with pytest.raises(InvalidRequestError):
+        ShmHostTensorAllocator(pool)  # type: ignore[arg-type]
+
+
+def test_unknown_allocator_lists_known_names() -> None:
+    with pytest.raises(ConfigError, match="'default', 'mmap', 'shm'"):
+        create_allocator("hbm")
+
+
+def test_errors_are_one_family() -> None:
+    assert issubclass(hostpool.HugepageUnavailableError, hostpool.AllocationError)
+    for cls in (InvalidRequestError, ConfigError, hostpool.AllocationError):
+        assert issubclass(cls, HostPoolError)
+
+
+# -- get_allocator_type ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        ({}, "default"),
+        ({"hicache_storage_backend": None}, "default"),
+        ({"hicache_storage_backend": "shm"}, "shm"),
+        ({"hicache_storage_backend": "file"}, "file"),
+        ({"hicache_storage_backend": "mooncake"}, "mooncake"),
+        ({"hicache_storage_backend": "dynamic"}, "dynamic"),
+        (
+            {
+                "hicache_storage_backend": "dynamic",
+                "hicache_storage_backend_extra_config": '{"allocator": "shm"}',
+            },
+            "shm",
+        ),
+        (
+            {
+                "hicache_storage_backend": "dynamic",
+                "hicache_storage_backend_extra_config": '{"allocator": "other"}',
+            },
+            "dynamic",
+        ),
+    ],
+)
+def test_get_allocator_type(args: dict[str, object], expected: str) -> None:
+    assert get_allocator_type(args) == expected
+    assert get_allocator_type(SimpleNamespace(**args)) == expected
+
+
+@pytest.mark.parametrize(
+    "suffix,text",
+    [
+        (".json", json.dumps({"allocator": "shm", "module_path": "x"})),
+        (".toml", 'allocator = "shm"\nmodule_path = "x"\n'),
+        (".yaml", "allocator: shm\nmodule_path: x\n"),
+        (".yml", "allocator: shm\n"),
+    ],
+)
+def test_extra_config_files(tmp_path: os.PathLike[str], suffix: str, text: str) -> None:
+    path = os.path.join(tmp_path, "extra" + suffix)
+    with open(path, "w") as f:
+        f.write(text)
+    args = {
+        "hicache_storage_backend": "dynamic",
+        "hicache_storage_backend_extra_config": "@" + path,
+    }
+    assert get_allocator_type(args) == "shm"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "{not json",
+        "[1, 2]",
+        '"shm"',
+        "@/nonexistent/extra.json",
+        '{"allocator": 3}',
+        42,
+    ],
+)
+def test_malformed_extra_config_is_a_config_error(extra: object) -> None:
+    args = {"hicache_storage_backend": "dynamic", "hicache_storage_backend_extra_config": extra}
+    with pytest.raises(ConfigError):
+        get_allocator_type(args)
+
+
+@pytest.mark.parametrize(
+    "suffix,text",
+    [(".json", "{"), (".toml", "allocator = "), (".yaml", "a: [1"), (".ini", "[x]")],
+)
+def test_malformed_extra_config_files(tmp_path: os.PathLike[str], suffix: str, text: str) -> None:
+    path = os.path.join(tmp_path, "bad" + suffix)
+    with open(path, "w") as f:
+        f.write(text)
+    args = {"hicache_storage_backend": "dynamic", "hicache_storage_backend_extra_config": "@" + path}
+    with pytest.raises(ConfigError, match="bad"):
+        get_allocator_type(args)

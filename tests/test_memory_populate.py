@@ -1,0 +1,137 @@
+"""Every populate mode, measured independently: st_blocks for fds, mincore for anon."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from hostpool import MmapHostTensorAllocator, ShmHostTensorAllocator
+from hostpool.errors import AllocationError
+from tests import helpers
+
+SIZE = 8 << 20
+
+
+@pytest.mark.parametrize("mode", ["auto", "madvise", "map_populate", "touch"])
+def test_shm_modes_leave_every_page_resident(mode: str, no_leaked_fds: None) -> None:
+    alloc = ShmHostTensorAllocator("pop", populate=mode)
+    t = alloc.allocate((SIZE,), torch.uint8)
+    region = alloc.regions[0]
+    assert region.populate_mode == ("madvise" if mode == "auto" else mode)
+    assert os.fstat(alloc.fd).st_blocks * 512 == SIZE
+    assert region.resident_bytes() == SIZE
+    alloc.close()
+    del t
+
+
+@pytest.mark.parametrize("mode", ["auto", "madvise", "map_populate", "touch"])
+def test_anon_modes_leave_every_page_resident(mode: str) -> None:
+    alloc = MmapHostTensorAllocator("pop", populate=mode)
+    t = alloc.allocate((SIZE,), torch.uint8)
+    region = alloc.regions[0]
+    assert region.populate_mode == ("madvise" if mode == "auto" else mode)
+    assert helpers.mincore_resident(region.address, SIZE) == SIZE
+    assert region.resident_bytes() == SIZE
+    alloc.close()
+    del t
+
+
+def test_none_leaves_pages_unresident_until_touched(no_leaked_fds: None) -> None:
+    shm_alloc = ShmHostTensorAllocator("lazy", populate="none")
+    anon_alloc = MmapHostTensorAllocator("lazy", populate="none")
+    ts = shm_alloc.allocate((SIZE,), torch.uint8)
+    ta = anon_alloc.allocate((SIZE,), torch.uint8)
+    assert os.fstat(shm_alloc.fd).st_blocks == 0
+    anon = anon_alloc.regions[0]
+    assert helpers.mincore_resident(anon.address, SIZE) == 0
+    ts[: 3 * 4096].fill_(1)
+    ta[4096 * 10 : 4096 * 12].fill_(1)
+    assert os.fstat(shm_alloc.fd).st_blocks * 512 == 3 * 4096
+    assert helpers.mincore_resident(anon.address, SIZE) == 2 * 4096
+    assert anon.resident_bytes() == 2 * 4096
+    assert shm_alloc.regions[0].populate_mode == "none"
+    shm_alloc.close()
+    anon_alloc.close()
+    del ts, ta
+
+
+def _madv_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hostpool.memory import syscalls
+
+    real = syscalls.madvise
+
+    def fake(address: int, length: int, advice: int) -> None:
+        if advice == syscalls.MADV_POPULATE_WRITE:
+            raise OSError(errno.EINVAL, "injected: MADV_POPULATE_WRITE unsupported")
+        real(address, length, advice)
+
+    monkeypatch.setattr(syscalls, "madvise", fake)
+
+
+def test_auto_falls_back_where_madvise_is_unsupported(
+    monkeypatch: pytest.MonkeyPatch, no_leaked_fds: None
+) -> None:
+    _madv_unsupported(monkeypatch)
+    shm_alloc = ShmHostTensorAllocator("old")
+    anon_alloc = MmapHostTensorAllocator("old")
+    ts = shm_alloc.allocate((SIZE,), torch.uint8)
+    ta = anon_alloc.allocate((SIZE,), torch.uint8)
+    assert shm_alloc.regions[0].populate_mode == "map_populate"  # fallocate + MAP_POPULATE
+    assert anon_alloc.regions[0].populate_mode == "touch"
+    assert os.fstat(shm_alloc.fd).st_blocks * 512 == SIZE
+    assert helpers.mincore_resident(anon_alloc.regions[0].address, SIZE) == SIZE
+    with pytest.raises(AllocationError, match="MADV_POPULATE_WRITE"):
+        ShmHostTensorAllocator("old", populate="madvise").allocate((4096,), torch.uint8)
+    shm_alloc.close()
+    anon_alloc.close()
+    del ts, ta
+
+
+def test_efault_is_a_failure_not_a_fallback(
+    monkeypatch: pytest.MonkeyPatch, no_leaked_fds: None
+) -> None:
+    from hostpool.memory import syscalls
+
+    real = syscalls.madvise
+    calls = []
+
+    def fake(address: int, length: int, advice: int) -> None:
+        calls.append(length)
+        if advice == syscalls.MADV_POPULATE_WRITE and length > 4096:
+            raise OSError(errno.EFAULT, "injected shortage")
+        real(address, length, advice)
+
+    monkeypatch.setattr(syscalls, "madvise", fake)
+    alloc = ShmHostTensorAllocator("short")
+    with pytest.raises(AllocationError) as exc:
+        alloc.allocate((SIZE,), torch.uint8)
+    assert exc.value.reason == "no_memory"
+    assert alloc.regions == []
+
+
+def test_parallel_populate_splits_large_regions(
+    monkeypatch: pytest.MonkeyPatch, no_leaked_fds: None
+) -> None:
+    from hostpool.memory import populate, syscalls
+
+    spans: list[int] = []
+    real = syscalls.madvise
+
+    def spy(address: int, length: int, advice: int) -> None:
+        if advice == syscalls.MADV_POPULATE_WRITE:
+            spans.append(length)
+        real(address, length, advice)
+
+    monkeypatch.setattr(syscalls, "madvise", spy)
+    monkeypatch.setattr(populate, "PARALLEL_THRESHOLD", 16 << 20)
+    monkeypatch.setattr(populate, "MIN_CHUNK", 4 << 20)
+    alloc = ShmHostTensorAllocator("par", populate_threads=4)
+    t = alloc.allocate((32 << 20,), torch.uint8)
+    # one probe of a page, then four 8 MiB chunks
+    assert sorted(spans[1:]) == [8 << 20] * 4
+    assert os.fstat(alloc.fd).st_blocks * 512 == 32 << 20
+    alloc.close()
+    del t
