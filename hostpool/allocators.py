@@ -111,6 +111,20 @@ class HostTensorAllocator:
         tensor, _region = self._allocate(dims, dtype, device)
         return tensor
 
+    def release(self, tensor: torch.Tensor) -> bool:
+        """Release the one region `tensor` lives in (a pool shrinking, a churned buffer).
+
+        Returns True when it is unmapped now, False when other views still hold it.
+        Raises InvalidRequestError for a tensor this allocator did not make.
+        """
+        address = int(tensor.data_ptr())
+        for region in self._ledger.regions(owner=self._id):
+            if region.address <= address < region.address + max(region.mapped_bytes, 1):
+                return bool(self._ledger.release(region.id))
+        raise InvalidRequestError(
+            f"tensor at {address:#x} is not a live allocation of pool {self.pool!r}"
+        )
+
     def close(self) -> None:
         """Release every region this allocator made. Live views keep their pages mapped
         ("released, still mapped") until they die; nothing is unmapped under them."""

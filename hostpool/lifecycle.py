@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import functools
 import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -111,6 +112,16 @@ class Ledger:
         self.budgets: list[Any] = []  # objects with limit_bytes() / reserved_bytes()
         self.share_clients: Callable[[], dict[str, int]] | None = None
         self.track_stacks = tracking_stacks_from_env()
+        self._finished: list[tuple[str, _Entry]] = []
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The ledger lock; releases drained meanwhile are logged after it is let go."""
+        with self._lock:
+            self._drain_locked()
+            yield
+            finished, self._finished = self._finished, []
+        _emit_releases(finished)
 
     # -- finalizer side: no lock, no region reference -------------------------------
     def unmapped_callback(self) -> Callable[[int], None]:
@@ -119,7 +130,7 @@ class Ledger:
 
     # -- recording -------------------------------------------------------------------
     def add_pool(self, pool: str) -> None:
-        with self._lock:
+        with self._locked():
             self.known_pools.setdefault(pool, None)
 
     def record(
@@ -131,8 +142,7 @@ class Ledger:
         stack: str | None,
         seconds: float,
     ) -> None:
-        with self._lock:
-            self._drain_locked()
+        with self._locked():
             self._entries[region.id] = _Entry(region, allocator, owner, stack)
             self.known_pools.setdefault(region.pool, None)
             self.allocations_total[(region.pool, allocator)] += 1
@@ -141,16 +151,14 @@ class Ledger:
             self.durations.setdefault(region.pool, _Histogram()).observe(seconds)
 
     def record_failure(self, pool: str, reason: str) -> None:
-        with self._lock:
+        with self._locked():
             self.known_pools.setdefault(pool, None)
             self.failures_total[(pool, reason)] += 1
 
     def release(self, region_id: int) -> bool | None:
         """Explicit release. True: unmapped now; False: still mapped by views;
         None: not live (already released, or collected)."""
-        finished: list[tuple[str, _Entry]] = []
-        with self._lock:
-            finished += self._drain_locked()
+        with self._locked():
             entry = self._entries.get(region_id)
             if entry is None or entry.state != "live":
                 result = None
@@ -161,24 +169,21 @@ class Ledger:
                     del self._entries[region_id]
                 else:
                     entry.state = "released_mapped"
-                finished.append(("explicit", entry))
+                self._finished.append(("explicit", entry))
                 result = gone
-        _emit_releases(finished)
         return result
 
     def drain(self) -> None:
         """Process finalizer notices now (leak checks and snapshots call this first)."""
-        with self._lock:
-            finished = self._drain_locked()
-        _emit_releases(finished)
+        with self._locked():
+            pass
 
-    def _drain_locked(self) -> list[tuple[str, _Entry]]:
-        finished: list[tuple[str, _Entry]] = []
+    def _drain_locked(self) -> None:
         while True:
             try:
                 generation, region_id = self._gone.popleft()
             except IndexError:
-                return finished
+                return
             if generation != self._generation:
                 continue  # a parent's region, seen from a forked child
             entry = self._entries.pop(region_id, None)
@@ -186,13 +191,12 @@ class Ledger:
                 continue
             if entry.state == "live":
                 self.releases_total[(entry.region.pool, "finalizer")] += 1
-                finished.append(("finalizer", entry))
+                self._finished.append(("finalizer", entry))
             entry.region.detach_finalizers()
 
     # -- reading ---------------------------------------------------------------------
     def entries(self, *, owner: int | None = None, pool: str | None = None) -> list[_Entry]:
-        with self._lock:
-            self._drain_locked()
+        with self._locked():
             return [
                 e
                 for e in self._entries.values()
@@ -215,8 +219,7 @@ class Ledger:
 
     def counters(self) -> dict[str, Any]:
         """A consistent copy of the lifetime counters (for the collector)."""
-        with self._lock:
-            self._drain_locked()
+        with self._locked():
             return {
                 "allocations_total": dict(self.allocations_total),
                 "releases_total": dict(self.releases_total),
@@ -234,6 +237,7 @@ class Ledger:
         self._generation += 1
         self._entries = {}
         self._gone = collections.deque()
+        self._finished = []
         self.pid = os.getpid()
         for counter in (
             self.allocations_total,

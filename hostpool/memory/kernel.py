@@ -161,12 +161,26 @@ def probe_sealing() -> bool:
         os.close(fd)
 
 
+_madv_probe: tuple[object, bool] | None = None
+
+
 def probe_madv_populate_write() -> bool:
     """MADV_POPULATE_WRITE (Linux 5.14+) on one anonymous page, through the seam.
 
     Only EINVAL means unsupported; any other error is a real failure the caller sees
-    when it populates.
+    when it populates. The answer is cached per `syscalls.madvise` function, so a test
+    that patches the seam is probed afresh.
     """
+    global _madv_probe
+    seam = syscalls.madvise
+    if _madv_probe is not None and _madv_probe[0] is seam:
+        return _madv_probe[1]
+    supported = _probe_madv_populate_write()
+    _madv_probe = (seam, supported)
+    return supported
+
+
+def _probe_madv_populate_write() -> bool:
     mm = mmap.mmap(-1, syscalls.PAGE_SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         import ctypes
