@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import mmap
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -36,15 +37,21 @@ _UNSUPPORTED_DTYPES = {
     if hasattr(torch, name)
 }
 _allocator_ids = itertools.count(1)
+_NO_ADMISSION = contextlib.nullcontext()
 
 
 def request_bytes(dims: object, dtype: object) -> tuple[tuple[int, ...], int]:
     """Validate (dims, dtype) and return (dims as a tuple, bytes)."""
-    if isinstance(dims, int) and not isinstance(dims, bool):
-        dims = (dims,)
-    if isinstance(dims, torch.Size):
-        dims = tuple(dims)
-    if not isinstance(dims, Sequence) or isinstance(dims, str | bytes) or len(dims) == 0:
+    if type(dims) is not tuple:  # the common case skips the ABC checks below
+        if isinstance(dims, int) and not isinstance(dims, bool):
+            dims = (dims,)
+        elif isinstance(dims, torch.Size | list):
+            dims = tuple(dims)
+        elif not isinstance(dims, Sequence) or isinstance(dims, str | bytes):
+            raise InvalidRequestError(
+                f"dims must be a non-empty sequence of positive ints, got {dims!r}"
+            )
+    if len(dims) == 0:
         raise InvalidRequestError(
             f"dims must be a non-empty sequence of positive ints, got {dims!r}"
         )
@@ -57,7 +64,7 @@ def request_bytes(dims: object, dtype: object) -> tuple[tuple[int, ...], int]:
         raise InvalidRequestError(f"dtype must be a torch.dtype, got {dtype!r}")
     if dtype in _UNSUPPORTED_DTYPES:
         raise InvalidRequestError(f"dtype {dtype} cannot live in a host pool buffer")
-    nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(dims) * dtype.itemsize
     if nbytes > MAX_REQUEST_BYTES:
         raise InvalidRequestError(
             f"request of {nbytes} bytes for dims {tuple(dims)} and {dtype} is beyond any host "
@@ -67,6 +74,8 @@ def request_bytes(dims: object, dtype: object) -> tuple[tuple[int, ...], int]:
 
 
 def check_device(device: object) -> None:
+    if device == "cpu":
+        return
     if isinstance(device, str | torch.device):
         try:
             if torch.device(device).type == "cpu":
@@ -187,19 +196,16 @@ class HostTensorAllocator:
         self._emit_alloc(region, seconds)
         return tensor, region
 
-    @contextlib.contextmanager
-    def _admit(self, nbytes: int) -> Iterator[None]:
+    def _admit(self, nbytes: int) -> contextlib.AbstractContextManager[Any]:
         if self._admission is None:
-            yield
-            return
+            return _NO_ADMISSION
         backend = "devshm" if self.options.shm_backend == "devshm" else "memfd"
         try:
             plan = plan_hugepages(self.kind, backend, nbytes, self.options)
         except AllocationError:
             plan = None  # create_region raises the same error with its full message
         hugetlb = plan.hugetlb_size if plan is not None else None
-        with self._admission(nbytes, hugetlb):
-            yield
+        return self._admission(nbytes, hugetlb)
 
     def _tracking(self) -> bool:
         if self._track_stacks is not None:
@@ -219,6 +225,9 @@ class HostTensorAllocator:
         )
 
     def _emit_alloc(self, region: Region, seconds: float) -> None:
+        if not events.stdlib_logger.isEnabledFor(logging.DEBUG):
+            if not events.stdlib_logger.isEnabledFor(logging.INFO):
+                return  # the common case: nothing listens, build nothing
         for reason in region.hugepage_fallbacks:
             events.info(
                 "hostpool.hugepage_fallback",

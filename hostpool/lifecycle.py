@@ -113,12 +113,14 @@ class Ledger:
         self.share_clients: Callable[[], dict[str, int]] | None = None
         self.track_stacks = tracking_stacks_from_env()
         self._finished: list[tuple[str, _Entry]] = []
+        self._callback: Callable[[int], None] | None = None
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """The ledger lock; releases drained meanwhile are logged after it is let go."""
         with self._lock:
-            self._drain_locked()
+            if self._gone:
+                self._drain_locked()
             yield
             finished, self._finished = self._finished, []
         _emit_releases(finished)
@@ -126,7 +128,12 @@ class Ledger:
     # -- finalizer side: no lock, no region reference -------------------------------
     def unmapped_callback(self) -> Callable[[int], None]:
         """A callable for the memory layer's finalizer, bound to this generation."""
-        return functools.partial(_notify_gone, self._gone, self._generation)
+        callback = self._callback
+        if callback is None:
+            callback = self._callback = functools.partial(
+                _notify_gone, self._gone, self._generation
+            )
+        return callback
 
     # -- recording -------------------------------------------------------------------
     def add_pool(self, pool: str) -> None:
@@ -142,13 +149,24 @@ class Ledger:
         stack: str | None,
         seconds: float,
     ) -> None:
-        with self._locked():
+        # The allocation hot path: a plain lock, no generator, no event work inside.
+        with self._lock:
+            if self._gone:
+                self._drain_locked()
             self._entries[region.id] = _Entry(region, allocator, owner, stack)
-            self.known_pools.setdefault(region.pool, None)
-            self.allocations_total[(region.pool, allocator)] += 1
+            pool = region.pool
+            if pool not in self.known_pools:
+                self.known_pools[pool] = None
+            self.allocations_total[(pool, allocator)] += 1
             for reason in region.hugepage_fallbacks:
-                self.fallbacks_total[(region.pool, reason)] += 1
-            self.durations.setdefault(region.pool, _Histogram()).observe(seconds)
+                self.fallbacks_total[(pool, reason)] += 1
+            histogram = self.durations.get(pool)
+            if histogram is None:
+                histogram = self.durations[pool] = _Histogram()
+            histogram.observe(seconds)
+            finished, self._finished = self._finished, []
+        if finished:
+            _emit_releases(finished)
 
     def record_failure(self, pool: str, reason: str) -> None:
         with self._locked():
@@ -192,7 +210,6 @@ class Ledger:
             if entry.state == "live":
                 self.releases_total[(entry.region.pool, "finalizer")] += 1
                 self._finished.append(("finalizer", entry))
-            entry.region.detach_finalizers()
 
     # -- reading ---------------------------------------------------------------------
     def entries(self, *, owner: int | None = None, pool: str | None = None) -> list[_Entry]:
@@ -238,6 +255,7 @@ class Ledger:
         self._entries = {}
         self._gone = collections.deque()
         self._finished = []
+        self._callback = None
         self.pid = os.getpid()
         for counter in (
             self.allocations_total,

@@ -41,3 +41,15 @@ def hugepages_2m(root: None) -> Iterator[int]:
         if got < 8:
             pytest.skip(f"could reserve only {got} hugepages")
         yield got
+
+
+@pytest.fixture(autouse=True)
+def hostpool_events_enabled() -> Iterator[None]:
+    """Let every event through the level guard so capture_logs sees info and debug too."""
+    import logging
+
+    logger = logging.getLogger("hostpool")
+    old = logger.level
+    logger.setLevel(logging.DEBUG)
+    yield
+    logger.setLevel(old)

@@ -76,7 +76,9 @@ def reserved_hugepages(count: int) -> Iterator[int]:
         NR_HUGEPAGES.write_text(str(old))
 
 
-def run_python(code: str, *, timeout: float = 120, **kwargs: object) -> subprocess.CompletedProcess[str]:
+def run_python(
+    code: str, *, timeout: float = 120, **kwargs: object
+) -> subprocess.CompletedProcess[str]:
     """Run `code` in a fresh interpreter (for cases that could crash the process)."""
     return subprocess.run(  # type: ignore[call-overload,no-any-return]
         [sys.executable, "-c", textwrap.dedent(code)],

@@ -256,6 +256,9 @@ def test_malformed_extra_config_files(tmp_path: os.PathLike[str], suffix: str, t
     path = os.path.join(tmp_path, "bad" + suffix)
     with open(path, "w") as f:
         f.write(text)
-    args = {"hicache_storage_backend": "dynamic", "hicache_storage_backend_extra_config": "@" + path}
+    args = {
+        "hicache_storage_backend": "dynamic",
+        "hicache_storage_backend_extra_config": "@" + path,
+    }
     with pytest.raises(ConfigError, match="bad"):
         get_allocator_type(args)

@@ -30,7 +30,9 @@ def no_hugepages(root: None) -> object:
         yield
 
 
-def test_prefer_without_pages_falls_back_with_reasons(no_hugepages: None, no_leaked_fds: None) -> None:
+def test_prefer_without_pages_falls_back_with_reasons(
+    no_hugepages: None, no_leaked_fds: None
+) -> None:
     shm_alloc = ShmHostTensorAllocator("hp", hugepages="prefer", hugepage_size="2MB")
     t = shm_alloc.allocate((3 * MiB,), torch.uint8)
     region = shm_alloc.regions[0]
@@ -53,7 +55,9 @@ def test_required_without_pages_names_the_sysctl(no_hugepages: None, no_leaked_f
 
 
 @pytest.mark.hugepages
-def test_hugetlb_memfd_whole_pages_unmapped_on_release(hugepages_2m: int, no_leaked_fds: None) -> None:
+def test_hugetlb_memfd_whole_pages_unmapped_on_release(
+    hugepages_2m: int, no_leaked_fds: None
+) -> None:
     free_before = _free_2m()
     alloc = ShmHostTensorAllocator("huge", hugepages="required", hugepage_size="2MB")
     t = alloc.allocate((5 * MiB,), torch.uint8)  # 3 hugepages, not 5 MiB

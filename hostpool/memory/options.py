@@ -20,6 +20,7 @@ POPULATE_MODES = ("auto", "madvise", "map_populate", "touch", "none")
 SHM_BACKENDS = ("auto", "memfd", "devshm")
 POOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 DEFAULT_PIN_CHUNK = 1 << 30
+_DEFAULT_THREADS = min(8, os.cpu_count() or 1)
 
 
 def validate_pool_name(pool: object) -> str:
@@ -103,7 +104,7 @@ class RegionOptions:
         return cls(**values)
 
     def effective_populate_threads(self) -> int:
-        return self.populate_threads or min(8, os.cpu_count() or 1)
+        return self.populate_threads or _DEFAULT_THREADS
 
 
 def _hugepage_size(value: object, mode: str) -> int:
