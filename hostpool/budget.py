@@ -161,6 +161,17 @@ class Admission:
     def limit_bytes(self) -> int | None:
         return self.policy.limit_bytes() if self.policy is not None else None
 
+    def effective_limit(self) -> int:
+        """What is held plus what may still be allocated with normal pages, now."""
+        held = self._held_bytes()
+        room = kernel.meminfo().get("MemAvailable", 0) - self.headroom - self._inflight
+        limit = cgroup.memory_limit()
+        if limit is not None:
+            room = min(room, limit.free - self._inflight)
+        if self.policy is not None:
+            room = min(room, self.policy.limit_bytes() - held - self._inflight)
+        return held + self._inflight + max(0, room)
+
     def reserved_bytes(self) -> int:
         """Bytes reserved against the budget: held plus in flight (or the policy's view,
         for a policy that spans processes)."""

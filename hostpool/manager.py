@@ -88,6 +88,10 @@ class HostPoolManager:
             self._allocators[pool] = created
             return created
 
+    def allocator_for(self, pool: str) -> HostTensorAllocator | None:
+        """The pool's allocator if it exists (never creates one)."""
+        return self._allocators.get(pool)
+
     @property
     def pools(self) -> list[str]:
         return list(self._allocators)

@@ -1,0 +1,1 @@
+"""`hostpool serve`: a managed memory service an operator can scrape."""

@@ -1,0 +1,148 @@
+"""What `hostpool serve` runs: pools and server settings, from TOML, flags or defaults.
+
+Every bad value is a ConfigError naming its key (`pools.kv.size`), so the CLI exits 2
+with a message an operator can act on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from hostpool.config import load_file
+from hostpool.errors import ConfigError, HostPoolError
+from hostpool.memory.options import RegionOptions, validate_pool_name
+from hostpool.memory.units import parse_size
+
+DEFAULT_CHUNK = 256 << 20
+# Small enough for any laptop, shaped like a hybrid model's host cache.
+DEFAULT_POOLS: dict[str, dict[str, Any]] = {
+    "kv": {"size": "64MiB", "allocator": "shm"},
+    "swa": {"size": "16MiB", "allocator": "shm"},
+    "mamba": {"size": "8MiB", "allocator": "mmap"},
+}
+_POOL_KEYS = {"size", "allocator", "chunk"} | {
+    "hugepages",
+    "hugepage_size",
+    "populate",
+    "populate_threads",
+    "pin",
+    "pin_chunk_bytes",
+    "numa_node",
+    "shm_backend",
+    "fallback_dir",
+}
+_SERVER_KEYS = {"host", "port", "budget", "share_socket", "demo_load"}
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    name: str
+    size: int
+    allocator: str = "shm"
+    chunk: int = DEFAULT_CHUNK
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    pools: tuple[PoolSpec, ...]
+    host: str = "127.0.0.1"
+    port: int = 9464
+    budget: int | None = None
+    share_socket: str | None = None
+    demo_load: bool = False
+
+
+def _size(value: object, key: str) -> int:
+    try:
+        n = parse_size(value, what=key)
+    except HostPoolError as exc:
+        raise ConfigError(str(exc)) from None
+    if n <= 0:
+        raise ConfigError(f"{key} must be positive, got {value!r}")
+    return n
+
+
+def pool_spec(name: str, table: dict[str, Any], defaults: dict[str, Any] | None = None) -> PoolSpec:
+    """A PoolSpec from one `[pools.NAME]` table; options are validated now."""
+    prefix = f"pools.{name}"
+    try:
+        validate_pool_name(name)
+    except HostPoolError as exc:
+        raise ConfigError(f"{prefix}: {exc}") from None
+    merged = {**(defaults or {}), **table}
+    unknown = sorted(set(merged) - _POOL_KEYS)
+    if unknown:
+        raise ConfigError(f"{prefix}: unknown key(s) {unknown}; known: {sorted(_POOL_KEYS)}")
+    if "size" not in merged:
+        raise ConfigError(f'{prefix}.size is required (e.g. size = "4GiB")')
+    size = _size(merged.pop("size"), f"{prefix}.size")
+    chunk = _size(merged.pop("chunk", DEFAULT_CHUNK), f"{prefix}.chunk")
+    allocator = merged.pop("allocator", "shm")
+    from hostpool.allocators import allocator_names
+
+    if allocator not in allocator_names():
+        raise ConfigError(f"{prefix}.allocator: unknown {allocator!r}; known: {allocator_names()}")
+    for key, value in merged.items():
+        try:
+            RegionOptions.parse(**{key: value})
+        except HostPoolError as exc:
+            raise ConfigError(f"{prefix}.{key}: {exc}") from None
+    return PoolSpec(name=name, size=size, allocator=allocator, chunk=chunk, options=merged)
+
+
+def from_mapping(data: dict[str, Any]) -> ServeConfig:
+    unknown = sorted(set(data) - {"server", "pools"})
+    if unknown:
+        raise ConfigError(f"unknown top-level key(s) {unknown}; known: ['pools', 'server']")
+    server = data.get("server", {})
+    if not isinstance(server, dict):
+        raise ConfigError("server must be a table")
+    bad = sorted(set(server) - _SERVER_KEYS)
+    if bad:
+        raise ConfigError(f"server: unknown key(s) {bad}; known: {sorted(_SERVER_KEYS)}")
+    pools_table = data.get("pools", DEFAULT_POOLS)
+    if not isinstance(pools_table, dict) or not pools_table:
+        raise ConfigError("pools must be a non-empty table of [pools.NAME] tables")
+    pools = []
+    for name, table in pools_table.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"pools.{name} must be a table")
+        pools.append(pool_spec(name, table))
+    port = server.get("port", 9464)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"server.port must be an int in 0..65535, got {port!r}")
+    host = server.get("host", "127.0.0.1")
+    if not isinstance(host, str):
+        raise ConfigError(f"server.host must be a string, got {host!r}")
+    budget = server.get("budget")
+    share = server.get("share_socket")
+    if share is not None and not isinstance(share, str):
+        raise ConfigError(f"server.share_socket must be a path, got {share!r}")
+    demo = server.get("demo_load", False)
+    if not isinstance(demo, bool):
+        raise ConfigError(f"server.demo_load must be true or false, got {demo!r}")
+    return ServeConfig(
+        pools=tuple(pools),
+        host=host,
+        port=port,
+        budget=_size(budget, "server.budget") if budget is not None else None,
+        share_socket=share,
+        demo_load=demo,
+    )
+
+
+def from_file(path: str) -> ServeConfig:
+    if not os.path.splitext(path)[1]:
+        raise ConfigError(f"{path}: config files end in .toml, .json or .yaml")
+    return from_mapping(load_file(path, what="serve config"))
+
+
+def parse_pool_flag(flag: str) -> tuple[str, str]:
+    """`kv=4GiB` -> ("kv", "4GiB")."""
+    name, sep, size = flag.partition("=")
+    if not sep or not name or not size:
+        raise ConfigError(f"--pool takes NAME=SIZE (e.g. kv=4GiB), got {flag!r}")
+    return name, size

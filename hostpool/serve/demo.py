@@ -1,0 +1,92 @@
+"""`--demo-load`: a background workload so every dashboard row has data.
+
+It writes and reads pages of the configured pools, churns allocations in a `demo` pool
+(released explicitly, and some dropped for the finalizer to reclaim), provokes one
+hugepage fallback and one refused allocation.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import torch
+
+from hostpool import events
+from hostpool.errors import HostPoolError
+from hostpool.memory import kernel
+from hostpool.serve.service import PoolService
+
+PAGE = 4096
+
+
+class DemoLoad:
+    def __init__(self, service: PoolService, *, interval: float = 0.2, seed: int = 0) -> None:
+        self.service = service
+        self.interval = interval
+        self.rng = random.Random(seed)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hostpool-demo", daemon=True)
+        self.cycles = 0
+        self._held: dict[str, list[torch.Tensor]] = {"demo": [], "demo_hugepages": []}
+
+    def start(self) -> DemoLoad:
+        self._provoke_once()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the workload and release what it holds, explicitly."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        for pool in ("demo", "demo_hugepages"):
+            allocator = self.service.manager.allocator_for(pool)
+            held = self._held.pop(pool, [])
+            while held and allocator is not None:
+                allocator.release(held.pop())
+
+    def _provoke_once(self) -> None:
+        manager = self.service.manager
+        # A hugepage size whose pool is empty here: a counted fallback, never an error.
+        sizes = sorted(kernel.hugepage_pools(), key=lambda s: kernel.hugepage_pools()[s].available)
+        size = sizes[0] if sizes else 2 << 20
+        fallback = manager.allocator(
+            "demo_hugepages", "shm", hugepages="prefer", hugepage_size=size
+        )
+        pool = kernel.hugepage_pool(size)
+        want = ((pool.available if pool else 0) + 1) * size
+        try:
+            self._held["demo_hugepages"].append(fallback.allocate((want,), torch.uint8))
+        except HostPoolError as exc:  # e.g. a tight budget: still shows on the dashboard
+            events.info("hostpool.demo", step="fallback", error=str(exc))
+        # One refused allocation: more than the host has.
+        refused = manager.allocator("demo_refused", "mmap", populate="none")
+        total = kernel.meminfo().get("MemTotal", 1 << 40)
+        try:
+            refused.allocate((2 * total,), torch.uint8)
+        except HostPoolError as exc:
+            events.info("hostpool.demo", step="refused", reason=getattr(exc, "reason", None))
+
+    def _run(self) -> None:
+        churn = self.service.manager.allocator("demo", "shm")
+        kept = self._held["demo"]
+        while not self._stop.wait(self.interval):
+            self.cycles += 1
+            for chunks in list(self.service.tensors.values()):
+                if not chunks:
+                    continue
+                t = self.rng.choice(chunks)
+                offset = self.rng.randrange(0, max(1, t.numel() - PAGE)) // PAGE * PAGE
+                t[offset : offset + PAGE].fill_(self.cycles % 251)
+                _ = int(t[offset])
+            try:
+                n = self.rng.choice((64 << 10, 1 << 20, 4 << 20))
+                t = churn.allocate((n,), torch.uint8)
+            except HostPoolError:
+                continue
+            if self.cycles % 3 != 0:  # every third is dropped: the finalizer reclaims it
+                kept.append(t)
+            del t
+            if len(kept) > 4:
+                churn.release(kept.pop(0))

@@ -1,0 +1,87 @@
+"""The pools `hostpool serve` holds: allocated at start, released exactly once at stop."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hostpool import events
+from hostpool.errors import HostPoolError
+from hostpool.lifecycle import AllocationRecord
+from hostpool.manager import HostPoolManager, LeakReport
+from hostpool.serve.config import PoolSpec, ServeConfig
+
+# progress(pool, done_bytes, total_bytes)
+Progress = Callable[[str, int, int], None]
+
+
+class PoolService:
+    """Owns a HostPoolManager and the tensors of every configured pool."""
+
+    def __init__(self, config: ServeConfig, *, track_stacks: bool = False) -> None:
+        self.config = config
+        self.manager = HostPoolManager(budget=config.budget, track_stacks=track_stacks)
+        self.tensors: dict[str, list[torch.Tensor]] = {}
+        self.started_at = time.time()
+
+    def allocate_all(self, progress: Progress | None = None) -> None:
+        """Allocate every pool in chunks (so progress can be shown while populating)."""
+        for spec in self.config.pools:
+            self._allocate_pool(spec, progress)
+
+    def _allocate_pool(self, spec: PoolSpec, progress: Progress | None) -> None:
+        allocator = self.manager.allocator(spec.name, spec.allocator, **spec.options)
+        chunks = self.tensors.setdefault(spec.name, [])
+        done = 0
+        started = time.perf_counter()
+        while done < spec.size:
+            n = min(spec.chunk, spec.size - done)
+            chunks.append(allocator.allocate((n,), torch.uint8))
+            done += n
+            if progress is not None:
+                progress(spec.name, done, spec.size)
+        events.info(
+            "hostpool.pool_ready",
+            pool=spec.name,
+            bytes=spec.size,
+            chunks=len(chunks),
+            allocator=spec.allocator,
+            seconds=round(time.perf_counter() - started, 3),
+        )
+
+    def snapshot(self) -> list[AllocationRecord]:
+        return self.manager.snapshot()
+
+    def debug_document(self) -> dict[str, Any]:
+        """What /debug/pools serves: totals per pool and every region's record."""
+        return {
+            "pid": __import__("os").getpid(),
+            "started_at": self.started_at,
+            "pools": self.manager.totals(),
+            "budget_bytes": self.manager.budget_bytes,
+            "budget_reserved_bytes": self.manager.budget_reserved_bytes,
+            "regions": [r.to_dict() for r in self.snapshot()],
+        }
+
+    def close(self) -> LeakReport:
+        """Release every pool explicitly, then drop the tensors so nothing stays mapped."""
+        for pool, chunks in self.tensors.items():
+            allocator = self.manager.allocator_for(pool)
+            while chunks:
+                tensor = chunks.pop()
+                if allocator is not None:
+                    allocator.release(tensor)
+                del tensor  # the last view: the mapping goes now
+        return self.manager.close()
+
+
+def try_allocate(service: PoolService, spec: PoolSpec) -> HostPoolError | None:
+    """Allocate one more pool at run time; the error, if refused, instead of raising."""
+    try:
+        service._allocate_pool(spec, None)
+    except HostPoolError as exc:
+        return exc
+    return None
