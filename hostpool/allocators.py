@@ -187,6 +187,8 @@ class HostTensorAllocator:
                     owner=self._id,
                     stack=stack,
                     seconds=seconds,
+                    dims=shape,
+                    dtype=str(dtype),
                 )
         except HostPoolError as exc:
             self._failed(exc, started)

@@ -36,3 +36,7 @@ class HugepageUnavailableError(AllocationError):
 
     def __init__(self, message: str, *, reason: str = "hugepages") -> None:
         super().__init__(message, reason=reason)
+
+
+class ShareError(HostPoolError):
+    """A pool could not be shared or attached: refused, unsafe to map, or malformed."""

@@ -47,7 +47,7 @@ class AllocationRecord:
     kind: str
     backend: str
     name: str | None
-    state: str  # "live" or "released_mapped"
+    state: str  # "live", "released_mapped" (views live) or "released_shared" (peers map it)
     requested_bytes: int
     mapped_bytes: int
     page_size: int
@@ -64,10 +64,14 @@ class AllocationRecord:
     numa_node: int | None
     pinned_bytes: int
     stack: str | None
+    dims: tuple[int, ...] = ()
+    dtype: str = "torch.uint8"
+    peers: int = 0  # processes holding it through `share`
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["hugepage_fallbacks"] = list(self.hugepage_fallbacks)
+        d["dims"] = list(self.dims)
         return d
 
 
@@ -77,6 +81,8 @@ class _Entry:
     allocator: str
     owner: int  # id of the allocator object that made it
     stack: str | None
+    dims: tuple[int, ...] = ()
+    dtype: str = "torch.uint8"
     state: str = "live"
 
 
@@ -114,6 +120,8 @@ class Ledger:
         self.track_stacks = tracking_stacks_from_env()
         self._finished: list[tuple[str, _Entry]] = []
         self._callback: Callable[[int], None] | None = None
+        # region id -> peers holding it through `share` (set by the share server).
+        self._peers: dict[int, int] = {}
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -148,12 +156,14 @@ class Ledger:
         owner: int,
         stack: str | None,
         seconds: float,
+        dims: tuple[int, ...] = (),
+        dtype: str = "torch.uint8",
     ) -> None:
         # The allocation hot path: a plain lock, no generator, no event work inside.
         with self._lock:
             if self._gone:
                 self._drain_locked()
-            self._entries[region.id] = _Entry(region, allocator, owner, stack)
+            self._entries[region.id] = _Entry(region, allocator, owner, stack, dims, dtype)
             pool = region.pool
             if pool not in self.known_pools:
                 self.known_pools[pool] = None
@@ -183,10 +193,12 @@ class Ledger:
             else:
                 gone = entry.region.close()
                 self.releases_total[(entry.region.pool, "explicit")] += 1
-                if gone:
-                    del self._entries[region_id]
-                else:
+                if not gone:
                     entry.state = "released_mapped"
+                elif self._peers.get(region_id):
+                    entry.state = "released_shared"
+                else:
+                    del self._entries[region_id]
                 self._finished.append(("explicit", entry))
                 result = gone
         return result
@@ -210,6 +222,24 @@ class Ledger:
             if entry.state == "live":
                 self.releases_total[(entry.region.pool, "finalizer")] += 1
                 self._finished.append(("finalizer", entry))
+            if self._peers.get(region_id):
+                # Peers still map it: keep it visible until the last one detaches.
+                entry.state = "released_shared"
+                self._entries[region_id] = entry
+
+    def set_peers(self, region_id: int, peers: int) -> None:
+        """The share server's count of peers holding a region (0 forgets it)."""
+        with self._locked():
+            if peers > 0:
+                self._peers[region_id] = peers
+                return
+            self._peers.pop(region_id, None)
+            entry = self._entries.get(region_id)
+            if entry is not None and entry.state == "released_shared":
+                del self._entries[region_id]
+
+    def peers(self, region_id: int) -> int:
+        return self._peers.get(region_id, 0)
 
     # -- reading ---------------------------------------------------------------------
     def entries(self, *, owner: int | None = None, pool: str | None = None) -> list[_Entry]:
@@ -229,7 +259,7 @@ class Ledger:
         """Plain records of live and released-still-mapped regions, oldest first."""
         wanted = set(pools) if pools is not None else None
         return [
-            _record(e)
+            _record(e, self._peers.get(e.region.id, 0))
             for e in self.entries()
             if (wanted is None or e.region.pool in wanted) and (owners is None or e.owner in owners)
         ]
@@ -256,6 +286,7 @@ class Ledger:
         self._gone = collections.deque()
         self._finished = []
         self._callback = None
+        self._peers = {}
         self.pid = os.getpid()
         for counter in (
             self.allocations_total,
@@ -271,7 +302,7 @@ def _notify_gone(queue: collections.deque[tuple[int, int]], generation: int, rid
     queue.append((generation, rid))
 
 
-def _record(entry: _Entry) -> AllocationRecord:
+def _record(entry: _Entry, peers: int = 0) -> AllocationRecord:
     r = entry.region
     return AllocationRecord(
         id=r.id,
@@ -297,6 +328,9 @@ def _record(entry: _Entry) -> AllocationRecord:
         numa_node=r.numa_node,
         pinned_bytes=r.pinned_bytes,
         stack=entry.stack,
+        dims=entry.dims,
+        dtype=entry.dtype,
+        peers=peers,
     )
 
 

@@ -117,7 +117,7 @@ class HostPoolManager:
             if r.state == "live":
                 t["allocations"] += 1
                 t["bytes"] += r.mapped_bytes
-            else:
+            elif r.state == "released_mapped":
                 t["released_mapped_bytes"] += r.mapped_bytes
         return out
 

@@ -178,6 +178,8 @@ def measure(ledger: Ledger) -> dict[str, dict[tuple[str, ...], Any]]:
         out["hostpool_open_fds"][(pool,)] = out["hostpool_open_fds"].get((pool,), 0.0) + (
             region.open_fd_count()
         )
+        if entry.state == "released_shared":
+            continue  # no longer mapped here; peers hold it (see the snapshot)
         if entry.state != "live":
             key1 = (pool,)
             out["hostpool_released_mapped_bytes"][key1] = (

@@ -87,3 +87,51 @@ def run_python(
         timeout=timeout,
         **kwargs,
     )
+
+
+def run_forked(fn: object, *, uid: int | None = None, timeout: float = 60) -> tuple[int, str]:
+    """Run `fn()` in a forked child (as `uid` if given); returns (exit code, what it wrote).
+
+    Forking after imports lets a child drop to an unprivileged uid even where that uid
+    could not exec this interpreter (it lives under /root here).
+    """
+    import select
+    import time
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 0
+        try:
+            os.close(r)
+            # A real peer holds none of the parent's fds: drop every inherited one.
+            os.closerange(3, w)
+            os.closerange(w + 1, 65536)
+            if "torch" in sys.modules:  # the parent's OpenMP pool does not survive fork
+                sys.modules["torch"].set_num_threads(1)
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            out = fn()  # type: ignore[operator]
+            os.write(w, str(out).encode())
+        except BaseException as exc:  # report everything, exit non-zero
+            os.write(w, f"{type(exc).__name__}: {exc}".encode())
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks = []
+    deadline = time.monotonic() + timeout
+    while True:
+        ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            os.kill(pid, 9)
+            break
+        data = os.read(r, 65536)
+        if not data:
+            break
+        chunks.append(data)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), b"".join(chunks).decode()

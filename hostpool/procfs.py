@@ -1,0 +1,571 @@
+"""Shared-memory fds and mappings of any process, read from /proc.
+
+OS layer: parsing only (no policy, metrics or logging configuration). Used by
+`hostpool inspect`, `hostpool exporter` and the pytest leak check.
+
+What /proc shows for shared memory:
+- fds: `/proc/PID/fd/N` links to `/memfd:NAME (deleted)` (memfd, hugetlb memfds too) or to
+  `/dev/shm/NAME [(deleted)]` (the fallback file); `os.stat` through the link gives the
+  object's (st_dev, st_ino), the only identity that survives fd-number reuse.
+- mappings: lines of /proc/PID/maps with the same paths, the same (dev, ino) in the
+  `dev inode` columns, and `[anon:NAME]` / `[anon_shmem:NAME]` for named anonymous VMAs
+  (no fd, no inode). /proc/PID/smaps adds Rss, hugetlb pages and the page size per VMA.
+
+Names: `<prefix><pool>.<pid>.<seq>[.<random>]` (hostpool, and hostpool's sglang
+compatibility prefix). sglang's own raw names (`sglang_host_pool_<hex>[.mmap]`) carry no
+pool: they are grouped under pool `-`.
+
+psutil is imported lazily (it costs ~15 ms): the leak check reads /proc/self only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from hostpool.errors import HostPoolError
+
+HOSTPOOL_PREFIX: Final = "hostpool."
+SGLANG_PREFIX: Final = "sglang_host_pool_"
+KNOWN_PREFIXES: Final[tuple[str, ...]] = (HOSTPOOL_PREFIX, SGLANG_PREFIX)
+NO_POOL: Final = "-"
+
+Pid = int | Literal["self"]
+Kind = Literal["memfd", "file", "anon"]
+
+_DELETED: Final = " (deleted)"
+_MEMFD: Final = "/memfd:"
+_DEVSHM: Final = "/dev/shm/"
+_ANON_TAGS: Final = ("[anon:", "[anon_shmem:")
+# `<pool>.<pid>.<seq>` and the fallback file's `.<random>`; pools match [A-Za-z0-9_-]{1,64}.
+_STRUCTURED = re.compile(r"([A-Za-z0-9_-]{1,64})\.(\d+)\.(\d+)(?:\.[A-Za-z0-9_-]+)?")
+
+
+class ProcfsError(HostPoolError):
+    """/proc could not tell us about a process."""
+
+
+class ProcessNotFoundError(ProcfsError, LookupError):
+    """No such process (or it exited while being read)."""
+
+    def __init__(self, pid: Pid) -> None:
+        super().__init__(f"no process with pid {pid}")
+        self.pid = pid
+
+
+class ProcessAccessError(ProcfsError, PermissionError):
+    """The process exists but this user may not read its fds or mappings."""
+
+    def __init__(self, pid: Pid, path: str) -> None:
+        super().__init__(_access_message(pid, path))
+        self.pid = pid
+        self.path = path
+
+
+# -- names ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ShmName:
+    """A shared-memory object's name and what it says about its owner."""
+
+    name: str
+    prefix: str  # the (longest) requested prefix it starts with
+    pool: str  # NO_POOL when the name carries none
+    owner_pid: int | None = None  # the pid in the name: the creator, not necessarily a holder
+    seq: int | None = None
+
+
+def parse_name(name: str, prefixes: Sequence[str] = KNOWN_PREFIXES) -> ShmName | None:
+    """The pool and owner encoded in `name`, or None when no prefix matches.
+
+    The pool is read after the known family prefix (`hostpool.`, `sglang_host_pool_`)
+    even when a narrower prefix such as `hostpool.kv` selected the name.
+    """
+    matched = ""
+    for prefix in prefixes:
+        if name.startswith(prefix) and len(prefix) > len(matched):
+            matched = prefix
+    if not matched and "" not in prefixes:
+        return None
+    family = next((f for f in KNOWN_PREFIXES if name.startswith(f)), matched)
+    m = _STRUCTURED.fullmatch(name, len(family))
+    if m is None:
+        return ShmName(name, matched, NO_POOL)
+    return ShmName(name, matched, m.group(1), int(m.group(2)), int(m.group(3)))
+
+
+def classify_path(path: str) -> tuple[Kind, str] | None:
+    """(kind, object name) for a /proc fd link target or maps path that may be shm."""
+    if path.startswith(_MEMFD):
+        return "memfd", path[len(_MEMFD) :].removesuffix(_DELETED)
+    if path.startswith(_DEVSHM):
+        return "file", path[len(_DEVSHM) :].removesuffix(_DELETED)
+    if path.endswith(_DELETED) and path.startswith("/"):
+        # a fallback file in another `fallback_dir`: unlinked at once, so always deleted
+        return "file", path.removesuffix(_DELETED).rpartition("/")[2]
+    for tag in _ANON_TAGS:
+        if path.startswith(tag) and path.endswith("]"):
+            return "anon", path[len(tag) : -1]
+    return None
+
+
+# -- fds ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ShmFd:
+    """One fd of a process that refers to a shared-memory object."""
+
+    fd: int
+    target: str  # the link text, e.g. "/memfd:hostpool.kv.12.0 (deleted)"
+    kind: Kind
+    name: ShmName
+    dev: int
+    ino: int
+    size: int  # st_size: the object's length
+    allocated_bytes: int  # st_blocks * 512: pages the object holds now (shmem, hugetlbfs)
+
+
+def shm_fds(pid: Pid, prefixes: Sequence[str] = KNOWN_PREFIXES) -> list[ShmFd]:
+    """The process's fds whose shm object name starts with one of `prefixes`, by fd."""
+    fd_dir = f"/proc/{pid}/fd"
+    out: list[ShmFd] = []
+    for fd, target in _fd_links(pid, fd_dir, prefixes):
+        classified = classify_path(target)
+        if classified is None:
+            continue
+        kind, object_name = classified
+        parsed = parse_name(object_name, prefixes)
+        if parsed is None:
+            continue
+        try:
+            st = os.stat(f"{fd_dir}/{fd}")
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # closed since the listing
+        out.append(ShmFd(fd, target, kind, parsed, st.st_dev, st.st_ino, st.st_size,
+                         st.st_blocks * 512))  # fmt: skip
+    out.sort(key=lambda f: f.fd)
+    return out
+
+
+def _fd_links(pid: Pid, fd_dir: str, prefixes: Sequence[str]) -> Iterator[tuple[int, str]]:
+    """(fd, link) for links that mention a prefix; the cheap filter before any stat."""
+    try:
+        names = os.listdir(fd_dir)
+    except FileNotFoundError:
+        raise ProcessNotFoundError(pid) from None
+    except PermissionError:
+        raise ProcessAccessError(pid, fd_dir) from None
+    for entry in names:
+        try:
+            target = os.readlink(f"{fd_dir}/{entry}")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        except PermissionError:
+            raise ProcessAccessError(pid, fd_dir) from None
+        if any(p in target for p in prefixes):
+            yield int(entry), target
+
+
+# -- mappings -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What smaps adds to a VMA: memory behind it now, and its page size."""
+
+    rss: int
+    shared_hugetlb: int
+    private_hugetlb: int
+    kernel_page_size: int
+
+    @property
+    def resident_bytes(self) -> int:
+        # hugetlb pages are not in Rss
+        return self.rss + self.shared_hugetlb + self.private_hugetlb
+
+
+@dataclass(frozen=True, slots=True)
+class ShmMapping:
+    """One VMA (one line of /proc/PID/maps) of a shared-memory object."""
+
+    start: int
+    end: int
+    perms: str
+    offset: int
+    dev: int  # 0 for anonymous VMAs
+    ino: int  # 0 for anonymous VMAs
+    kind: Kind
+    name: ShmName
+    usage: Usage | None = None  # set when read from smaps
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    @property
+    def address(self) -> str:
+        return f"{self.start:x}-{self.end:x}"
+
+
+def shm_mappings(
+    pid: Pid, prefixes: Sequence[str] = KNOWN_PREFIXES, *, usage: bool = False
+) -> list[ShmMapping]:
+    """VMAs of objects whose name starts with a prefix, by address.
+
+    `usage=True` reads smaps instead of maps: the kernel then walks the page tables of
+    every VMA of the process (~70 ms per populated 4 GiB), so ask only when needed.
+    """
+    path = f"/proc/{pid}/{'smaps' if usage else 'maps'}"
+    text = read_proc_text(pid, path)
+    if not any(p in text for p in prefixes):
+        return []
+    if usage:
+        return _parse_smaps(text, prefixes)
+    out = []
+    for line in text.splitlines():
+        mapping = parse_maps_line(line, prefixes) if any(p in line for p in prefixes) else None
+        if mapping is not None:
+            out.append(mapping)
+    return out
+
+
+def shm_maps_lines(pid: Pid, prefixes: Sequence[str] = KNOWN_PREFIXES) -> list[str]:
+    """The raw maps lines that mention a prefix: the leak check's cheap identity of VMAs."""
+    text = read_proc_text(pid, f"/proc/{pid}/maps")
+    if not any(p in text for p in prefixes):
+        return []
+    return [line for line in text.splitlines() if any(p in line for p in prefixes)]
+
+
+def read_proc_text(pid: Pid, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+            return f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        raise ProcessNotFoundError(pid) from None
+    except PermissionError:
+        raise ProcessAccessError(pid, path) from None
+
+
+def parse_maps_line(line: str, prefixes: Sequence[str] = KNOWN_PREFIXES) -> ShmMapping | None:
+    """One line of /proc/PID/maps, if it maps a shm object whose name has a prefix."""
+    fields = line.split(None, 5)
+    if len(fields) < 6:
+        return None
+    classified = classify_path(fields[5])
+    if classified is None:
+        return None
+    kind, object_name = classified
+    parsed = parse_name(object_name, prefixes)
+    if parsed is None:
+        return None
+    start, _, end = fields[0].partition("-")
+    major, _, minor = fields[3].partition(":")
+    return ShmMapping(
+        start=int(start, 16),
+        end=int(end, 16),
+        perms=fields[1],
+        offset=int(fields[2], 16),
+        dev=os.makedev(int(major, 16), int(minor, 16)),
+        ino=int(fields[4]),
+        kind=kind,
+        name=parsed,
+    )
+
+
+_USAGE_KEYS: Final = {
+    "Rss:": "rss",
+    "Shared_Hugetlb:": "shared_hugetlb",
+    "Private_Hugetlb:": "private_hugetlb",
+    "KernelPageSize:": "kernel_page_size",
+}
+_HEADER_START: Final = frozenset("0123456789abcdef")  # field lines start with a capital
+
+
+def _parse_smaps(text: str, prefixes: Sequence[str]) -> list[ShmMapping]:
+    out: list[ShmMapping] = []
+    current: ShmMapping | None = None
+    values: dict[str, int] = {}
+
+    def flush() -> None:
+        if current is not None:
+            out.append(_with_usage(current, values))
+
+    for line in text.splitlines():
+        if not line:
+            continue
+        if line[0] in _HEADER_START:
+            flush()
+            current = parse_maps_line(line, prefixes) if any(p in line for p in prefixes) else None
+            values = {}
+        elif current is not None:
+            key, _, rest = line.partition(" ")
+            attr = _USAGE_KEYS.get(key)
+            if attr is not None:
+                values[attr] = int(rest.split()[0]) * 1024  # smaps reports kB
+    flush()
+    return out
+
+
+def _with_usage(mapping: ShmMapping, values: dict[str, int]) -> ShmMapping:
+    usage = Usage(
+        rss=values.get("rss", 0),
+        shared_hugetlb=values.get("shared_hugetlb", 0),
+        private_hugetlb=values.get("private_hugetlb", 0),
+        kernel_page_size=values.get("kernel_page_size", 0),
+    )
+    return ShmMapping(mapping.start, mapping.end, mapping.perms, mapping.offset, mapping.dev,
+                      mapping.ino, mapping.kind, mapping.name, usage)  # fmt: skip
+
+
+# -- one process, grouped by object -----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessShm:
+    """A process's shm fds and VMAs, read together."""
+
+    pid: int
+    fds: tuple[ShmFd, ...]
+    mappings: tuple[ShmMapping, ...]
+
+
+def read_process(
+    pid: Pid, prefixes: Sequence[str] = KNOWN_PREFIXES, *, usage: bool = True
+) -> ProcessShm:
+    """Fds and VMAs of `pid` (smaps only if some VMA matched, to skip the page walk)."""
+    fds = shm_fds(pid, prefixes)
+    mappings = shm_mappings(pid, prefixes)
+    if usage and mappings:
+        mappings = shm_mappings(pid, prefixes, usage=True)
+    real_pid = os.getpid() if pid == "self" else pid
+    return ProcessShm(real_pid, tuple(fds), tuple(mappings))
+
+
+@dataclass(frozen=True, slots=True)
+class ShmObject:
+    """One memfd / shm file / named anonymous region as one process holds it."""
+
+    kind: Kind
+    name: ShmName
+    dev: int
+    ino: int
+    fds: tuple[ShmFd, ...]
+    mappings: tuple[tuple[ShmMapping, ...], ...]  # logical mappings, each one or more VMAs
+
+    @property
+    def size(self) -> int:
+        """The object's length: from an fd when held, else what is mapped."""
+        return self.fds[0].size if self.fds else self.mapped_bytes
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(vma.size for m in self.mappings for vma in m)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes behind the VMAs now (smaps Rss + hugetlb), 0 if read without usage."""
+        return sum(vma.usage.resident_bytes for m in self.mappings for vma in m if vma.usage)
+
+    @property
+    def page_sizes(self) -> frozenset[int]:
+        return frozenset(
+            vma.usage.kernel_page_size for m in self.mappings for vma in m if vma.usage
+        )
+
+
+def group_objects(process: ProcessShm) -> list[ShmObject]:
+    """Fds and VMAs joined by (dev, ino); inode-less anonymous VMAs by name. By name."""
+    fds: dict[object, list[ShmFd]] = {}
+    vmas: dict[object, list[ShmMapping]] = {}
+    first: dict[object, ShmFd | ShmMapping] = {}
+    for f in process.fds:
+        fds.setdefault((f.dev, f.ino), []).append(f)
+        first.setdefault((f.dev, f.ino), f)
+    for m in process.mappings:
+        key = (m.dev, m.ino) if m.ino else m.name.name
+        vmas.setdefault(key, []).append(m)
+        first.setdefault(key, m)
+    objects = [
+        ShmObject(
+            kind=item.kind,
+            name=item.name,
+            dev=item.dev,
+            ino=item.ino,
+            fds=tuple(fds.get(key, ())),
+            mappings=tuple(_logical_mappings(vmas.get(key, []))),
+        )
+        for key, item in first.items()
+    ]
+    objects.sort(key=lambda o: (o.name.prefix, o.name.pool, o.name.name))
+    return objects
+
+
+def _logical_mappings(vmas: Iterable[ShmMapping]) -> Iterator[tuple[ShmMapping, ...]]:
+    """Join VMAs that one mmap() was split into (madvise, mprotect): adjacent in memory
+    and in the file. What remains separate is a distinct mapping of the object."""
+    run: list[ShmMapping] = []
+    for vma in sorted(vmas, key=lambda v: v.start):
+        if run and not (
+            run[-1].end == vma.start
+            and (vma.kind == "anon" or run[-1].offset + run[-1].size == vma.offset)
+        ):
+            yield tuple(run)
+            run = []
+        run.append(vma)
+    if run:
+        yield tuple(run)
+
+
+# -- per-pool totals and what /proc alone can flag --------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PoolUsage:
+    prefix: str
+    pool: str
+    objects: int
+    open_fds: int
+    mappings: int  # logical mappings
+    mapped_bytes: int
+    resident_bytes: int
+    page_sizes: tuple[int, ...]
+
+
+def pool_usage(objects: Iterable[ShmObject]) -> list[PoolUsage]:
+    """Totals per (prefix, pool), sorted."""
+    acc: dict[tuple[str, str], list[ShmObject]] = {}
+    for obj in objects:
+        acc.setdefault((obj.name.prefix, obj.name.pool), []).append(obj)
+    return [
+        PoolUsage(
+            prefix=prefix,
+            pool=pool,
+            objects=len(objs),
+            open_fds=sum(len(o.fds) for o in objs),
+            mappings=sum(len(o.mappings) for o in objs),
+            mapped_bytes=sum(o.mapped_bytes for o in objs),
+            resident_bytes=sum(o.resident_bytes for o in objs),
+            page_sizes=tuple(sorted({size for o in objs for size in o.page_sizes})),
+        )
+        for (prefix, pool), objs in sorted(acc.items())
+    ]
+
+
+FindingKind = Literal["fd_without_mapping", "mapping_without_fd", "mapped_twice"]
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    kind: FindingKind
+    prefix: str
+    pool: str
+    name: str
+    fds: tuple[int, ...]
+    addresses: tuple[str, ...]
+    detail: str
+
+
+def findings(objects: Iterable[ShmObject]) -> list[Finding]:
+    """What /proc alone can decide is suspicious, per object.
+
+    - fd_without_mapping: a memfd/shm file held open but mapped nowhere in the process
+      (legitimate for a sharing server's spare fd; a leak otherwise).
+    - mapping_without_fd: a memfd/shm file mapped but no fd of this process holds it
+      (someone closed it, or it was received from a peer and the fd dropped).
+    - mapped_twice: two separate mappings of the same object in one process.
+    Named anonymous regions have no fd: only mapped_twice applies to them.
+    """
+    out: list[Finding] = []
+    for o in objects:
+        flagged: list[tuple[FindingKind, str]] = []
+        addresses = tuple(f"{m[0].start:x}-{m[-1].end:x}" for m in o.mappings)
+        if o.kind != "anon" and o.fds and not o.mappings:
+            flagged.append(("fd_without_mapping", f"{len(o.fds)} fd(s) open, object not mapped"))
+        if o.kind != "anon" and o.mappings and not o.fds:
+            flagged.append(("mapping_without_fd", f"mapped at {', '.join(addresses)}, no fd"))
+        if len(o.mappings) > 1:
+            flagged.append(("mapped_twice", f"{len(o.mappings)} separate mappings of one object"))
+        fds = tuple(f.fd for f in o.fds)
+        n = o.name
+        out.extend(Finding(k, n.prefix, n.pool, n.name, fds, addresses, d) for k, d in flagged)
+    return out
+
+
+# -- many processes ---------------------------------------------------------------------
+
+
+@dataclass
+class Scan:
+    """Every readable process holding a matching fd or mapping."""
+
+    processes: list[ProcessShm] = field(default_factory=list)
+    unreadable: int = 0  # processes whose /proc entries this user may not read
+
+
+def scan(prefixes: Sequence[str], *, usage: bool = True) -> Scan:
+    import psutil  # lazy: only the exporter and inspect pay for it
+
+    result = Scan()
+    me = os.getpid()
+    for pid in psutil.pids():
+        if pid == me:
+            continue
+        try:
+            process = read_process(pid, prefixes, usage=usage)
+        except ProcessNotFoundError:
+            continue
+        except ProcessAccessError:
+            result.unreadable += 1
+            continue
+        if process.fds or process.mappings:
+            result.processes.append(process)
+    return result
+
+
+def check_readable(pid: int) -> None:
+    """Raise ProcessNotFoundError / ProcessAccessError now rather than mid-report."""
+    import psutil
+
+    if pid <= 0 or not psutil.pid_exists(pid):
+        raise ProcessNotFoundError(pid)
+    for path in (f"/proc/{pid}/fd", f"/proc/{pid}/maps"):
+        try:
+            if path.endswith("/fd"):
+                os.listdir(path)
+            else:
+                with open(path, "rb") as f:
+                    f.read(1)
+        except (FileNotFoundError, ProcessLookupError):
+            raise ProcessNotFoundError(pid) from None
+        except PermissionError:
+            raise ProcessAccessError(pid, path) from None
+
+
+def format_size(n: int) -> str:
+    """4KiB, 2MiB, 1.5GiB (the same form as hostpool.memory's, without importing torch)."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
+    return f"{n}B"
+
+
+def _access_message(pid: Pid, path: str) -> str:
+    owner = ""
+    try:
+        import psutil
+
+        uid = psutil.Process(pid if isinstance(pid, int) else os.getpid()).uids().real
+        owner = f" (it runs as uid {uid}; you are uid {os.geteuid()})"
+    except Exception:  # the message is best effort; the error itself is what matters
+        pass
+    return (
+        f"permission denied reading {path}{owner}: "
+        "run as the process's user or as root (ptrace access is required)"
+    )
