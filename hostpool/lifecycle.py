@@ -84,6 +84,9 @@ class _Entry:
     dims: tuple[int, ...] = ()
     dtype: str = "torch.uint8"
     state: str = "live"
+    # Label tuples the collector builds once per region, not once per scrape.
+    scrape_keys: tuple[Any, ...] | None = None
+    pinned: int = 0  # bytes pinned at birth (the chunks list empties when unpinned)
 
 
 @dataclass
@@ -106,7 +109,7 @@ class Ledger:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[int, _Entry] = {}
-        self._gone: collections.deque[tuple[int, int]] = collections.deque()
+        self._gone: collections.deque[tuple[int, int, str]] = collections.deque()
         self._generation = 0
         self.pid = os.getpid()
         self.known_pools: dict[str, None] = {}
@@ -119,9 +122,15 @@ class Ledger:
         self.share_clients: Callable[[], dict[str, int]] | None = None
         self.track_stacks = tracking_stacks_from_env()
         self._finished: list[tuple[str, _Entry]] = []
-        self._callback: Callable[[int], None] | None = None
+        self._callback: Callable[..., None] | None = None
         # region id -> peers holding it through `share` (set by the share server).
         self._peers: dict[int, int] = {}
+        # Facts of live regions kept up to date at each transition, so a scrape measures
+        # only what changes by itself (residency, fds), not what the ledger already knows.
+        self.live_bytes: collections.Counter[tuple[str, str, int]] = collections.Counter()
+        self.live_count: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.live_modes: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.live_pinned: collections.Counter[str] = collections.Counter()
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -134,7 +143,7 @@ class Ledger:
         _emit_releases(finished)
 
     # -- finalizer side: no lock, no region reference -------------------------------
-    def unmapped_callback(self) -> Callable[[int], None]:
+    def unmapped_callback(self) -> Callable[..., None]:
         """A callable for the memory layer's finalizer, bound to this generation."""
         callback = self._callback
         if callback is None:
@@ -163,7 +172,9 @@ class Ledger:
         with self._lock:
             if self._gone:
                 self._drain_locked()
-            self._entries[region.id] = _Entry(region, allocator, owner, stack, dims, dtype)
+            entry = _Entry(region, allocator, owner, stack, dims, dtype, pinned=region.pinned_bytes)
+            self._entries[region.id] = entry
+            self._count_live(entry, 1)
             pool = region.pool
             if pool not in self.known_pools:
                 self.known_pools[pool] = None
@@ -177,6 +188,14 @@ class Ledger:
             finished, self._finished = self._finished, []
         if finished:
             _emit_releases(finished)
+
+    def _count_live(self, entry: _Entry, sign: int) -> None:
+        r = entry.region
+        self.live_bytes[(r.pool, entry.allocator, r.page_size)] += sign * r.mapped_bytes
+        self.live_count[(r.pool, entry.allocator)] += sign
+        self.live_modes[(r.pool, r.populate_mode)] += sign
+        if entry.pinned:
+            self.live_pinned[r.pool] += sign * entry.pinned
 
     def record_failure(self, pool: str, reason: str) -> None:
         with self._locked():
@@ -192,6 +211,7 @@ class Ledger:
                 result = None
             else:
                 gone = entry.region.close()
+                self._count_live(entry, -1)
                 self.releases_total[(entry.region.pool, "explicit")] += 1
                 if not gone:
                     entry.state = "released_mapped"
@@ -211,7 +231,7 @@ class Ledger:
     def _drain_locked(self) -> None:
         while True:
             try:
-                generation, region_id = self._gone.popleft()
+                generation, region_id, how = self._gone.popleft()
             except IndexError:
                 return
             if generation != self._generation:
@@ -220,8 +240,9 @@ class Ledger:
             if entry is None:
                 continue
             if entry.state == "live":
-                self.releases_total[(entry.region.pool, "finalizer")] += 1
-                self._finished.append(("finalizer", entry))
+                self._count_live(entry, -1)
+                self.releases_total[(entry.region.pool, how)] += 1
+                self._finished.append((how, entry))
             if self._peers.get(region_id):
                 # Peers still map it: keep it visible until the last one detaches.
                 entry.state = "released_shared"
@@ -243,6 +264,9 @@ class Ledger:
 
     # -- reading ---------------------------------------------------------------------
     def entries(self, *, owner: int | None = None, pool: str | None = None) -> list[_Entry]:
+        if owner is None and pool is None:
+            with self._locked():
+                return list(self._entries.values())
         with self._locked():
             return [
                 e
@@ -268,6 +292,10 @@ class Ledger:
         """A consistent copy of the lifetime counters (for the collector)."""
         with self._locked():
             return {
+                "live_bytes": dict(self.live_bytes),
+                "live_count": dict(self.live_count),
+                "live_modes": dict(self.live_modes),
+                "live_pinned": dict(self.live_pinned),
                 "allocations_total": dict(self.allocations_total),
                 "releases_total": dict(self.releases_total),
                 "failures_total": dict(self.failures_total),
@@ -287,6 +315,8 @@ class Ledger:
         self._finished = []
         self._callback = None
         self._peers = {}
+        for live in (self.live_bytes, self.live_count, self.live_modes, self.live_pinned):
+            live.clear()
         self.pid = os.getpid()
         for counter in (
             self.allocations_total,
@@ -298,8 +328,13 @@ class Ledger:
         self.durations = {}
 
 
-def _notify_gone(queue: collections.deque[tuple[int, int]], generation: int, rid: int) -> None:
-    queue.append((generation, rid))
+def _notify_gone(
+    queue: collections.deque[tuple[int, int, str]],
+    generation: int,
+    rid: int,
+    how: str = "finalizer",
+) -> None:
+    queue.append((generation, rid, how))
 
 
 def _record(entry: _Entry, peers: int = 0) -> AllocationRecord:

@@ -9,6 +9,8 @@ names as plain metrics with explicit `multiprocess_mode`, refreshed by a thread.
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 import time
 import weakref
@@ -172,33 +174,58 @@ def measure(ledger: Ledger) -> dict[str, dict[tuple[str, ...], Any]]:
     for (pool, allocator), n in counters["allocations_total"].items():
         out["hostpool_allocations"][(pool, allocator)] = float(n)
         live[(pool, allocator)] += 0.0
-    for entry in ledger.entries():
+    # What the ledger keeps up to date at each transition.
+    for (pool, allocator, page_size), n in counters["live_bytes"].items():
+        key = (pool, allocator, _page_label(page_size))
+        allocated[key] += n
+        resident[key] += 0.0
+    for (pool, allocator), n in counters["live_count"].items():
+        live[(pool, allocator)] += n
+    for (pool, mode), n in counters["live_modes"].items():
+        out["hostpool_populate_mode"][(pool, mode)] = float(n)
+    for pool, n in counters["live_pinned"].items():
+        out["hostpool_pinned_bytes"][(pool,)] = float(n)
+    # What only the kernel knows, measured now: one fstat (or mincore) per region.
+    open_fds: dict[tuple[str, ...], float] = defaultdict(float)
+    released: dict[tuple[str, ...], float] = defaultdict(float)
+    fstat = os.fstat
+    for entry in ledger.entries():  # the per-region loop: keep it tight (bench/scrape.py)
         region = entry.region
-        pool = region.pool
-        out["hostpool_open_fds"][(pool,)] = out["hostpool_open_fds"].get((pool,), 0.0) + (
-            region.open_fd_count()
-        )
-        if entry.state == "released_shared":
+        state = entry.state
+        if state == "released_shared":
             continue  # no longer mapped here; peers hold it (see the snapshot)
-        if entry.state != "live":
-            key1 = (pool,)
-            out["hostpool_released_mapped_bytes"][key1] = (
-                out["hostpool_released_mapped_bytes"].get(key1, 0.0) + region.mapped_bytes
+        keys = entry.scrape_keys
+        if keys is None:
+            pool = region.pool
+            keys = entry.scrape_keys = (
+                (pool,),
+                (pool, entry.allocator, _page_label(region.page_size)),
             )
+        pool_key, size_key = keys
+        if state != "live":
+            open_fds[pool_key] += region.open_fd_count()
+            released[pool_key] += region.mapped_bytes
             continue
-        key = (pool, entry.allocator, format_size(region.page_size))
-        allocated[key] += region.mapped_bytes
-        resident[key] += region.resident_bytes()
-        live[(pool, entry.allocator)] += 1
-        mode_key = (pool, region.populate_mode)
-        out["hostpool_populate_mode"][mode_key] = out["hostpool_populate_mode"].get(mode_key, 0) + 1
-        out["hostpool_pinned_bytes"][(pool,)] = (
-            out["hostpool_pinned_bytes"].get((pool,), 0.0) + region.pinned_bytes
-        )
-    for pool, allocator in list(live):
-        key = (pool, allocator, format_size(kernel_page()))
-        allocated.setdefault(key, 0.0)
-        resident.setdefault(key, 0.0)
+        box = region._fd_box
+        if box and region.dev_ino is not None:
+            # Live and fd-backed: its own fd plus mmap's dup. One fstat, checked against
+            # the recorded inode (a number may name another file once released).
+            open_fds[pool_key] += 2
+            try:
+                st = fstat(box[0])
+            except (OSError, IndexError):
+                continue
+            if (st.st_dev, st.st_ino) == region.dev_ino:
+                blocks = st.st_blocks * 512
+                resident[size_key] += (
+                    blocks if blocks < region.mapped_bytes else region.mapped_bytes
+                )
+        else:
+            fds, resident_now = region.scrape()
+            open_fds[pool_key] += fds
+            resident[size_key] += resident_now
+    out["hostpool_open_fds"].update(open_fds)
+    out["hostpool_released_mapped_bytes"].update(released)
     out["hostpool_allocated_bytes"] = dict(allocated)
     out["hostpool_resident_bytes"] = dict(resident)
     out["hostpool_live_allocations"] = dict(live)
@@ -228,6 +255,11 @@ def measure(ledger: Ledger) -> dict[str, dict[tuple[str, ...], Any]]:
             out["hostpool_attached_clients"][(pool,)] = float(n)
     out["hostpool_build_info"][(__version__,)] = 1.0
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def _page_label(page_size: int) -> str:
+    return format_size(page_size)
 
 
 def kernel_page() -> int:

@@ -262,3 +262,20 @@ def test_malformed_extra_config_files(tmp_path: os.PathLike[str], suffix: str, t
     }
     with pytest.raises(ConfigError, match="bad"):
         get_allocator_type(args)
+
+
+def test_alloc_shm_mm_close_is_an_explicit_release(no_leaked_fds: None) -> None:
+    from hostpool import alloc_shm
+
+    ledger = get_ledger()
+    before = ledger.counters()["releases_total"].get(("mmclose", "explicit"), 0)
+    tensor, fd, mm = alloc_shm((1024,), torch.uint8, pool="mmclose")
+    address = tensor.data_ptr()
+    del tensor
+    mm.close()  # no view left: unmapped now, and hostpool's own fd with it
+    assert not helpers.range_mapped(address, 4096)
+    assert ledger.snapshot(["mmclose"]) == []
+    assert ledger.counters()["releases_total"][("mmclose", "explicit")] == before + 1
+    assert list(helpers.fd_links("hostpool.mmclose.")) == [fd]  # only the caller's dup
+    os.close(fd)
+    del mm

@@ -59,11 +59,18 @@ class RegionMapping(mmap.mmap):
     nothing until the last view is gone (the mapping then goes with the object).
     """
 
+    _on_close: tuple[list[int], Callable[..., None] | None, int] | None = None
+
     def close(self) -> None:
         try:
             super().close()
         except BufferError:
-            pass
+            return  # views live: the mapping goes with the last of them
+        if self._on_close is not None:
+            # Unmapped now by its holder (sglang's `mm.close()`): an explicit release.
+            fd_box, on_unmapped, region_id = self._on_close
+            self._on_close = None
+            _mapping_gone(fd_box, on_unmapped, region_id, "explicit")
 
 
 @functools.lru_cache(maxsize=512)
@@ -81,7 +88,10 @@ def _claim(box: list[int]) -> int | None:
 
 
 def _mapping_gone(
-    fd_box: list[int], on_unmapped: Callable[[int], None] | None, region_id: int
+    fd_box: list[int],
+    on_unmapped: Callable[..., None] | None,
+    region_id: int,
+    how: str = "finalizer",
 ) -> None:
     # Finalizer: runs after munmap, possibly inside cyclic GC on any thread. It takes no
     # lock and holds no reference to the Region.
@@ -89,12 +99,12 @@ def _mapping_gone(
     if fd is not None:
         os.close(fd)
     if on_unmapped is not None:
-        on_unmapped(region_id)
+        on_unmapped(region_id, how)
 
 
 def _views_gone(
     chunks: list[tuple[int, int]],
-    on_unmapped: Callable[[int], None] | None,
+    on_unmapped: Callable[..., None] | None,
     region_id: int,
 ) -> None:
     # Finalizer on the holder: the mapping still exists, so CUDA can unregister it.
@@ -213,6 +223,29 @@ class Region:
         finally:
             del keep
         return min(self.mapped_bytes, pages * syscalls.PAGE_SIZE)
+
+    def scrape(self) -> tuple[int, int]:
+        """(open fds, resident bytes) in one pass: what a scrape needs, as cheaply as it can.
+
+        One fstat per fd-backed region (verified against `dev_ino`: the number may name
+        another file once released); mincore for anonymous ones.
+        """
+        mm_ref = self._mm_ref
+        mm = mm_ref() if mm_ref is not None else None
+        if self.dev_ino is None:
+            return 0, self.resident_bytes()
+        dup = 1 if (mm is not None and not mm.closed) else 0
+        box = self._fd_box
+        if not box:
+            return dup, 0
+        try:
+            st = os.fstat(box[0])
+        except (OSError, IndexError):
+            return dup, 0
+        if (st.st_dev, st.st_ino) != self.dev_ino:
+            return dup, 0
+        blocks = st.st_blocks * 512
+        return 1 + dup, blocks if blocks < self.mapped_bytes else self.mapped_bytes
 
     def close(self) -> bool:
         """Release the Region's own fd and unmap if no view lives. Idempotent.
@@ -423,7 +456,7 @@ def create_region(
     kind: Kind,
     pool: str,
     options: RegionOptions,
-    on_unmapped: Callable[[int], None] | None = None,
+    on_unmapped: Callable[..., None] | None = None,
     hugetlb_failed: bool = False,
 ) -> tuple[Region, Any]:
     """Map, size, seal, bind, populate and (optionally) pin `nbytes` of host memory.
@@ -450,7 +483,7 @@ def _create(
     kind: Kind,
     pool: str,
     options: RegionOptions,
-    on_unmapped: Callable[[int], None] | None,
+    on_unmapped: Callable[..., None] | None,
     hugetlb_failed: bool,
 ) -> tuple[Region, Any]:
     backend = {"shm": "memfd", "mmap": "anon", "torch": "torch"}[kind]
@@ -561,6 +594,7 @@ def _create(
     )
     on_views_gone = weakref.finalize(b.holder, _views_gone, b.chunks, None, region.id)
     on_gone = weakref.finalize(b.mm, _mapping_gone, fd_box, on_unmapped, region.id)
+    b.mm._on_close = (fd_box, on_unmapped, region.id)
     for fin in (on_views_gone, on_gone):
         fin.atexit = False
     region._finalizers = [on_views_gone, on_gone]
@@ -578,7 +612,7 @@ def _retry_without_hugetlb(
     kind: Kind,
     pool: str,
     options: RegionOptions,
-    on_unmapped: Callable[[int], None] | None,
+    on_unmapped: Callable[..., None] | None,
 ) -> tuple[Region, Any]:
     """`prefer` after hugetlb mmap failed with ENOMEM (a race, or a hugetlb cgroup limit)."""
     return create_region(
@@ -609,7 +643,7 @@ def _create_torch(
     pool: str,
     options: RegionOptions,
     plan: _HugepagePlan,
-    on_unmapped: Callable[[int], None] | None,
+    on_unmapped: Callable[..., None] | None,
 ) -> tuple[Region, Any]:
     import torch
 

@@ -1,0 +1,84 @@
+"""`hostpool exporter`: serve Prometheus metrics of other processes' shm, read from /proc."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+from hostpool import events, procfs
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "exporter",
+        help="metrics of other processes' shared-memory fds and mappings, from /proc",
+        description="Serve /metrics for processes that do not embed hostpool: per prefix and "
+        "pool, their shm fds, mapped and resident bytes, read at scrape time.",
+    )
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--pid", type=int, help="one process, every known name prefix")
+    target.add_argument(
+        "--match",
+        action="append",
+        metavar="PREFIX",
+        help="every process holding a shm fd or mapping named PREFIX... (repeatable)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="listen address (127.0.0.1)")
+    p.add_argument("--port", type=int, default=9465, help="listen port (9465; 0 picks one)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from hostpool.exporter import ProcfsCollector
+
+    if args.pid is not None:
+        try:
+            procfs.check_readable(args.pid)
+        except procfs.ProcessNotFoundError as exc:
+            print(f"hostpool exporter: {exc}", file=sys.stderr)
+            return 2
+        except procfs.ProcessAccessError as exc:
+            print(f"hostpool exporter: {exc}", file=sys.stderr)
+            return 1
+    if args.match is not None and not all(args.match):
+        print("hostpool exporter: --match needs a non-empty prefix", file=sys.stderr)
+        return 2
+
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(ProcfsCollector(pid=args.pid, match=args.match or ()))
+    try:
+        server, _thread = start_http_server(args.port, addr=args.host, registry=registry)
+    except OSError as exc:
+        print(f"hostpool exporter: cannot listen on {args.host}:{args.port}: {exc.strerror}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    events.warning(  # the one line an operator needs, printed even unconfigured
+        "hostpool.exporter_serving",
+        url=f"http://{_url_host(args.host)}:{server.server_port}/metrics",
+        pid=args.pid,
+        match=args.match,
+    )
+    try:
+        stop.wait()
+    finally:
+        server.shutdown()
+        server.server_close()
+    return 0
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,201 @@
+"""`hostpool inspect`: a process's shared-memory fds and mappings per pool, from /proc.
+
+Flags only what /proc can decide: a memfd held open but not mapped, a mapping whose
+object no fd of the process holds, and one object mapped twice. A table on a TTY,
+`key=value` lines otherwise, JSON with `--json` (one line per snapshot with `--watch`).
+
+Exit codes: 0 ok; 2 no such process; 1 not allowed to read it, or it exited while
+being watched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from hostpool import procfs
+
+CLEAR_SCREEN = "\033[H\033[2J"
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="a process's shared-memory fds and mappings per pool, from /proc",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("pid", nargs="?", type=int, help="the process to inspect")
+    target.add_argument("--self", dest="inspect_self", action="store_true",
+                        help="inspect this command's own process")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--prefix",
+        action="append",
+        metavar="P",
+        help="shm name prefix to report (repeatable; default: hostpool. and sglang_host_pool_)",
+    )
+    p.add_argument("--watch", type=_positive_seconds, metavar="SECONDS",
+                   help="repeat every SECONDS until interrupted")  # fmt: skip
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    pid: int = os.getpid() if args.inspect_self else args.pid
+    prefixes = tuple(args.prefix) if args.prefix else procfs.KNOWN_PREFIXES
+    if not all(prefixes):
+        return _fail(2, "--prefix must not be empty")
+    try:
+        procfs.check_readable(pid)
+    except procfs.ProcessNotFoundError as exc:
+        return _fail(2, str(exc))
+    except procfs.ProcessAccessError as exc:
+        return _fail(1, str(exc))
+    out = sys.stdout
+    tty = out.isatty()
+    while True:
+        try:
+            snapshot = report(pid, prefixes)
+        except procfs.ProcessNotFoundError:
+            return _fail(1, f"process {pid} exited")
+        except procfs.ProcessAccessError as exc:
+            return _fail(1, str(exc))
+        if args.json:
+            json.dump(snapshot, out, indent=None if args.watch else 2)
+            out.write("\n")
+        else:
+            if args.watch and tty:
+                out.write(CLEAR_SCREEN)
+            (render_table if tty else render_plain)(snapshot, out, watching=bool(args.watch))
+        out.flush()
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)
+
+
+def report(pid: int, prefixes: Sequence[str]) -> dict[str, Any]:
+    """The JSON document: per-pool totals, every object, and the findings."""
+    objects = procfs.group_objects(procfs.read_process(pid, prefixes))
+    return {
+        "pid": pid,
+        "time": time.time(),
+        "prefixes": list(prefixes),
+        "pools": [
+            {
+                "prefix": u.prefix,
+                "pool": u.pool,
+                "objects": u.objects,
+                "open_fds": u.open_fds,
+                "mappings": u.mappings,
+                "mapped_bytes": u.mapped_bytes,
+                "resident_bytes": u.resident_bytes,
+                "page_sizes": list(u.page_sizes),
+            }
+            for u in procfs.pool_usage(objects)
+        ],
+        "objects": [
+            {
+                "kind": o.kind,
+                "name": o.name.name,
+                "prefix": o.name.prefix,
+                "pool": o.name.pool,
+                "size": o.size,
+                "fds": [f.fd for f in o.fds],
+                "mappings": [
+                    {
+                        "address": f"{m[0].start:x}-{m[-1].end:x}",
+                        "bytes": sum(v.size for v in m),
+                        "resident_bytes": sum(v.usage.resident_bytes for v in m if v.usage),
+                        "vmas": len(m),
+                    }
+                    for m in o.mappings
+                ],
+                "page_sizes": sorted(o.page_sizes),
+            }
+            for o in objects
+        ],
+        "findings": [
+            {
+                "kind": f.kind,
+                "prefix": f.prefix,
+                "pool": f.pool,
+                "name": f.name,
+                "fds": list(f.fds),
+                "addresses": list(f.addresses),
+                "detail": f.detail,
+            }
+            for f in procfs.findings(objects)
+        ],
+    }
+
+
+def render_plain(snapshot: dict[str, Any], out: TextIO, *, watching: bool = False) -> None:
+    """One `key=value` line per pool and per finding: for grep, awk and scripts."""
+    if watching:
+        out.write(f"snapshot pid={snapshot['pid']} time={snapshot['time']:.3f}\n")
+    for p in snapshot["pools"]:
+        page_sizes = ",".join(map(str, p["page_sizes"])) or "-"
+        out.write(
+            f"pool prefix={p['prefix']} pool={p['pool']} objects={p['objects']} "
+            f"fds={p['open_fds']} mappings={p['mappings']} mapped_bytes={p['mapped_bytes']} "
+            f"resident_bytes={p['resident_bytes']} page_sizes={page_sizes}\n"
+        )
+    for f in snapshot["findings"]:
+        fds = ",".join(map(str, f["fds"])) or "-"
+        out.write(
+            f"finding kind={f['kind']} prefix={f['prefix']} pool={f['pool']} "
+            f"name={f['name']} fds={fds} detail={json.dumps(f['detail'])}\n"
+        )
+
+
+def render_table(snapshot: dict[str, Any], out: TextIO, *, watching: bool = False) -> None:
+    pools = snapshot["pools"]
+    when = time.strftime("%H:%M:%S", time.localtime(snapshot["time"]))
+    if not pools:
+        prefixes = ", ".join(snapshot["prefixes"])
+        out.write(f"pid {snapshot['pid']} ({when}): no shared memory named {prefixes}\n")
+        return
+    out.write(f"pid {snapshot['pid']} ({when})\n")
+    header = ("PREFIX", "POOL", "OBJECTS", "FDS", "MAPPINGS", "MAPPED", "RESIDENT", "PAGE")
+    rows = [
+        (
+            p["prefix"],
+            p["pool"],
+            str(p["objects"]),
+            str(p["open_fds"]),
+            str(p["mappings"]),
+            procfs.format_size(p["mapped_bytes"]),
+            procfs.format_size(p["resident_bytes"]),
+            ",".join(procfs.format_size(s) for s in p["page_sizes"]) or "-",
+        )
+        for p in pools
+    ]
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    for row in (header, *rows):
+        cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        out.write("  ".join(cells).rstrip() + "\n")
+    if snapshot["findings"]:
+        out.write("\nfindings:\n")
+        for f in snapshot["findings"]:
+            fds = f" (fd {', '.join(map(str, f['fds']))})" if f["fds"] else ""
+            out.write(f"  {f['kind']}: {f['name']} [pool {f['pool']}]: {f['detail']}{fds}\n")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError("--watch needs a positive number of seconds")
+    return value
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"hostpool inspect: {message}", file=sys.stderr)
+    return code

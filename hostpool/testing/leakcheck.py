@@ -1,0 +1,194 @@
+"""Shared-memory leak check: what a block of code left open or mapped, read from /proc/self.
+
+    from hostpool.testing import assert_no_leaks
+
+    with assert_no_leaks():                 # baseline now, check at exit
+        run_code_under_test()
+
+    check = assert_no_leaks(prefixes=("hostpool.", "sglang_host_pool_"))
+    ...                                     # baseline taken above
+    check.verify()                          # raises ShmLeakError naming what leaked
+    leaks = check.leaks()                   # or look without raising
+
+The identity compared is (fd, st_dev, st_ino) for shm fds, so a closed fd whose number
+the kernel hands to a new memfd still counts as new, and the text of shm lines of
+/proc/self/maps (address, offset, inode, name). Objects present at the baseline and
+still present are not leaks; objects closed meanwhile are ignored.
+
+A first difference may be garbage that only a collection frees (a tensor in a
+reference cycle): only then is `gc.collect()` run (~130 ms with torch loaded) and the
+state read again. What remains is reported with its pool, size and, when hostpool's
+ledger tracked the allocation (`HOSTPOOL_TRACK_STACKS=1`), the stack that allocated it.
+
+This module never imports torch or hostpool's allocators: the ledger is consulted only
+if the program already imported it.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from hostpool import procfs
+
+DEFAULT_PREFIXES: tuple[str, ...] = (procfs.HOSTPOOL_PREFIX,)
+
+
+@dataclass(frozen=True, slots=True)
+class ShmState:
+    """The process's shm fds as (fd, dev, ino) and its shm maps lines, at one moment."""
+
+    fds: frozenset[tuple[int, int, int]]
+    maps: frozenset[str]
+
+    @classmethod
+    def read(cls, prefixes: Sequence[str]) -> ShmState:
+        fds = procfs.shm_fds("self", prefixes)
+        return cls(
+            frozenset((f.fd, f.dev, f.ino) for f in fds),
+            frozenset(procfs.shm_maps_lines("self", prefixes)),
+        )
+
+    def added_since(self, baseline: ShmState) -> ShmState:
+        return ShmState(self.fds - baseline.fds, self.maps - baseline.maps)
+
+    def __bool__(self) -> bool:
+        return bool(self.fds or self.maps)
+
+
+@dataclass(frozen=True, slots=True)
+class Leak:
+    """One shm object with fds or mappings left behind, as /proc and the ledger know it."""
+
+    kind: procfs.Kind
+    name: str
+    prefix: str
+    pool: str
+    size: int
+    fds: tuple[int, ...]
+    mappings: tuple[str, ...]  # "start-end" addresses
+    stack: str | None = None
+
+    def describe(self) -> str:
+        parts = [f"pool {self.pool!r}: {self.kind} {self.name}, {procfs.format_size(self.size)}"]
+        if self.fds:
+            parts.append(f"fd {', '.join(map(str, self.fds))}")
+        if self.mappings:
+            parts.append(f"mapped at {', '.join(self.mappings)}")
+        text = "; ".join(parts)
+        if self.stack:
+            text += "\n    allocated at:\n" + _indent(self.stack.rstrip(), "      ")
+        elif self.prefix == procfs.HOSTPOOL_PREFIX:
+            text += "\n    (set HOSTPOOL_TRACK_STACKS=1 to see where it was allocated)"
+        return text
+
+
+class ShmLeakError(AssertionError):
+    """Shared-memory fds or mappings outlived the checked code. `.leaks` lists them."""
+
+    def __init__(self, leaks: Sequence[Leak]) -> None:
+        self.leaks = tuple(leaks)
+        lines = [f"{len(self.leaks)} shared-memory object(s) leaked:"]
+        lines += ["  " + leak.describe() for leak in self.leaks]
+        super().__init__("\n".join(lines))
+
+
+class LeakCheck:
+    """A baseline of this process's shm fds and mappings, and the check against it.
+
+    A context manager: the check runs at exit, unless the block raised (its exception
+    is the story; objects it left behind would only add noise).
+    """
+
+    def __init__(self, prefixes: Iterable[str] = DEFAULT_PREFIXES) -> None:
+        self.prefixes = tuple(prefixes)
+        if not self.prefixes:
+            raise ValueError("LeakCheck needs at least one name prefix")
+        self.baseline = ShmState.read(self.prefixes)
+
+    def leaks(self) -> list[Leak]:
+        """What is open or mapped now that was not at the baseline (after a gc if needed)."""
+        added = ShmState.read(self.prefixes).added_since(self.baseline)
+        if not added:
+            return []
+        gc.collect()
+        added = ShmState.read(self.prefixes).added_since(self.baseline)
+        return describe(added, self.prefixes) if added else []
+
+    def verify(self) -> None:
+        leaks = self.leaks()
+        if leaks:
+            raise ShmLeakError(leaks)
+
+    def __enter__(self) -> LeakCheck:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.verify()
+
+
+def assert_no_leaks(prefixes: Iterable[str] = DEFAULT_PREFIXES) -> LeakCheck:
+    """Take a baseline now; `verify()` it later or use it as a `with` block."""
+    return LeakCheck(prefixes)
+
+
+def describe(added: ShmState, prefixes: Sequence[str]) -> list[Leak]:
+    """Group new fds and maps lines by object and attach what the ledger knows."""
+    fds = [f for f in procfs.shm_fds("self", prefixes) if (f.fd, f.dev, f.ino) in added.fds]
+    maps = [m for line in added.maps if (m := procfs.parse_maps_line(line, prefixes))]
+    objects = procfs.group_objects(procfs.ProcessShm(0, tuple(fds), tuple(maps)))
+    stacks = _ledger_stacks()
+    return [
+        Leak(
+            kind=o.kind,
+            name=o.name.name,
+            prefix=o.name.prefix,
+            pool=o.name.pool,
+            size=o.size,
+            fds=tuple(f.fd for f in o.fds),
+            mappings=tuple(f"{m[0].start:x}-{m[-1].end:x}" for m in o.mappings),
+            stack=stacks.get((o.dev, o.ino)) or stacks.get(o.name.name),
+        )
+        for o in objects
+    ]
+
+
+def _ledger_stacks() -> dict[Any, str]:
+    """Allocation stacks by (dev, ino) and by name, if hostpool's ledger is loaded.
+
+    Written against the ledger's snapshot records (`name`, `device`, `inode`, `stack`),
+    defensively: a leak report must never fail because of the ledger.
+    """
+    lifecycle = sys.modules.get("hostpool.lifecycle")
+    if lifecycle is None:
+        return {}
+    try:
+        records = lifecycle.get_ledger().snapshot()
+    except Exception:
+        return {}
+    stacks: dict[Any, str] = {}
+    for record in records:
+        stack = getattr(record, "stack", None)
+        if not stack:
+            continue
+        name = getattr(record, "name", None)
+        if name:
+            stacks[name] = stack
+        device, inode = getattr(record, "device", None), getattr(record, "inode", None)
+        if device is not None and inode is not None:
+            stacks[(device, inode)] = stack
+    return stacks
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line for line in text.splitlines())
