@@ -27,11 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hostpool import HostPoolManager, ShmHostTensorAllocator  # noqa: E402
-from hostpool.budget import Admission  # noqa: E402
-from hostpool.memory import cgroup, kernel  # noqa: E402
-from hostpool.memory.options import RegionOptions  # noqa: E402
-from hostpool.memory.region import create_region, tensor_over  # noqa: E402
+from hostpool import HostPoolManager, ShmHostTensorAllocator
+from hostpool.budget import Admission
+from hostpool.memory import cgroup, kernel
+from hostpool.memory.options import RegionOptions
+from hostpool.memory.region import create_region, tensor_over
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overhead.json"
 SIZE = 2 << 20

@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hostpool import HostPoolManager  # noqa: E402
-from hostpool.metrics import HostPoolCollector  # noqa: E402
+from hostpool import HostPoolManager
+from hostpool.metrics import HostPoolCollector
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scrape.json"
 COUNTS = (10, 100, 1000, 5000)
@@ -52,7 +52,7 @@ def series(kind: str) -> list[dict[str, float]]:
                 tensors.append(alloc.allocate((4096,), torch.uint8))
             fds = [r.fd for r in alloc.regions if r.fd is not None]
             collect = timed(lambda: list(collector.collect()), 15)
-            fstat = timed(lambda: [os.fstat(fd) for fd in fds], 15) if fds else 0.0
+            fstat = timed(lambda fds=fds: [os.fstat(fd) for fd in fds], 15) if fds else 0.0
             rows.append({"allocations": count, "collect_s": collect, "fstat_loop_s": fstat})
         alloc.close()
         del tensors

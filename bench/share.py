@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hostpool import HostPoolManager  # noqa: E402
-from hostpool.memory import syscalls  # noqa: E402
-from hostpool.share import PoolShareServer, attach  # noqa: E402
+from hostpool import HostPoolManager
+from hostpool.memory import syscalls
+from hostpool.share import PoolShareServer, attach
 
 RESULTS = Path(__file__).resolve().parent / "results" / "share.json"
 
@@ -160,7 +160,8 @@ def main() -> int:
     print(
         f"hand-off {handoff * 1e3:.2f} ms vs copy {copy * 1e3:.0f} ms "
         f"({result['handoff_speedup']:.0f}x); pre-fault {med('prefault_s') * 1e3:.0f} ms; "
-        f"peer read {result['peer_read_ratio']:.2f}x in-process (cold {result['peer_read_cold_ratio']:.2f}x);"
+        f"peer read {result['peer_read_ratio']:.2f}x in-process "
+        f"(cold {result['peer_read_cold_ratio']:.2f}x);"
         f" manifest {runs[0]['received_bytes']} bytes"
     )
     return 0

@@ -32,7 +32,27 @@ _EXPORTS = {
     "HugepageUnavailableError": "hostpool.errors",
 }
 
-__all__ = [*sorted(_EXPORTS), "__version__"]
+__all__ = [
+    "AllocationError",
+    "AllocationRecord",
+    "ConfigError",
+    "DefaultHostTensorAllocator",
+    "HostPoolError",
+    "HostPoolManager",
+    "HostTensorAllocator",
+    "HugepageUnavailableError",
+    "InvalidRequestError",
+    "LeakReport",
+    "MmapHostTensorAllocator",
+    "ShmHostTensorAllocator",
+    "__version__",
+    "alloc_mmap",
+    "alloc_shm",
+    "create_allocator",
+    "get_allocator_type",
+    "get_ledger",
+    "register_allocator",
+]
 
 if TYPE_CHECKING:
     from hostpool.allocators import (

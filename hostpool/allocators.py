@@ -227,9 +227,8 @@ class HostTensorAllocator:
         )
 
     def _emit_alloc(self, region: Region, seconds: float) -> None:
-        if not events.stdlib_logger.isEnabledFor(logging.DEBUG):
-            if not events.stdlib_logger.isEnabledFor(logging.INFO):
-                return  # the common case: nothing listens, build nothing
+        if not events.stdlib_logger.isEnabledFor(logging.INFO):
+            return  # the common case: nothing listens, build nothing
         for reason in region.hugepage_fallbacks:
             events.info(
                 "hostpool.hugepage_fallback",

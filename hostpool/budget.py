@@ -129,8 +129,9 @@ class Admission:
             )
         limit = cgroup.memory_limit()
         if limit is not None and need > limit.free - inflight:
+            room = max(0, limit.free - inflight)
             raise AllocationError(
-                f"budget refused: need {_b(need)}, cgroup allows {_b(max(0, limit.free - inflight))}"
+                f"budget refused: need {_b(need)}, cgroup allows {_b(room)}"
                 f" more (limit {_b(limit.limit)} minus usage {_b(limit.usage)}, {limit.source})",
                 reason="budget",
             )

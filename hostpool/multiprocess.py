@@ -49,8 +49,11 @@ class MultiprocessPublisher:
                     name, doc, labels, buckets=DURATION_BUCKETS, **kwargs
                 )
             else:
-                mode = "livemax" if name in _LIVEMAX else "livesum"
-                self._metrics[name] = Gauge(name, doc, labels, multiprocess_mode=mode, **kwargs)
+                if name in _LIVEMAX:
+                    gauge = Gauge(name, doc, labels, multiprocess_mode="livemax", **kwargs)
+                else:
+                    gauge = Gauge(name, doc, labels, multiprocess_mode="livesum", **kwargs)
+                self._metrics[name] = gauge
 
     def publish(self) -> None:
         """Bring every published metric up to date with the ledger, now."""

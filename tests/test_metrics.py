@@ -10,10 +10,9 @@ import textwrap
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from hostpool import HostPoolManager
-from hostpool.metrics import METRICS, HostPoolCollector, exposed_name, register_metrics
+from hostpool.metrics import METRICS, HostPoolCollector, register_metrics
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -55,7 +55,8 @@ def start_serve(tmp_path: os.PathLike[str], *args: str) -> Served:
         if match:
             return Served(proc, match.group(1), err)
         if proc.poll() is not None:
-            raise AssertionError(f"serve exited {proc.returncode}: {open(err).read()}")
+            with open(err) as f:
+                raise AssertionError(f"serve exited {proc.returncode}: {f.read()}")
         time.sleep(0.1)
     proc.kill()
     raise AssertionError("serve did not start in 60 s")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
@@ -50,7 +51,7 @@ def _wait(predicate: object, timeout: float = 10) -> None:
 def test_writes_cross_both_ways_and_only_the_manifest_travels(
     shared: tuple[HostPoolManager, PoolShareServer, str],
 ) -> None:
-    manager, server, path = shared
+    manager, _server, path = shared
     t = manager.allocator("kv").allocate((16 * MiB // 4,), torch.float32)
     t[:1024].fill_(2.5)
 
@@ -264,7 +265,7 @@ def test_peer_credentials_and_readonly_as_another_uid(public_dir: str) -> None:
 def test_malformed_traffic_never_stops_the_server(
     shared: tuple[HostPoolManager, PoolShareServer, str], payload: bytes, with_fd: bool
 ) -> None:
-    manager, server, path = shared
+    manager, _server, path = shared
     if manager.allocator_for("fuzz") is None:
         # kept for the whole test: every example attaches to it
         shared_tensor_keepalive.append(manager.allocator("fuzz").allocate((4096,), torch.uint8))
@@ -281,10 +282,8 @@ def test_malformed_traffic_never_stops_the_server(
             os.close(w)
         else:
             s.send(payload or b"\0")
-        try:
+        with contextlib.suppress(TimeoutError, ConnectionError, OSError):
             s.recv(65536)
-        except (TimeoutError, ConnectionError, OSError):
-            pass
     finally:
         s.close()
     # ... and a well-behaved peer is still served.

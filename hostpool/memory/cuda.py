@@ -35,14 +35,14 @@ class TorchCudaRuntime:
         import torch
 
         # cudaHostRegisterDefault = 0; cudaSuccess = 0.
-        rc = torch.cuda.cudart().cudaHostRegister(address, length, 0)
+        rc = torch.cuda.cudart().cudaHostRegister(address, length, 0)  # type: ignore[no-untyped-call]
         if int(rc) != 0:
             raise RuntimeError(f"cudaHostRegister({address:#x}, {length}) failed: {rc}")
 
     def host_unregister(self, address: int) -> None:
         import torch
 
-        rc = torch.cuda.cudart().cudaHostUnregister(address)
+        rc = torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
         if int(rc) != 0:
             raise RuntimeError(f"cudaHostUnregister({address:#x}) failed: {rc}")
 

@@ -64,7 +64,7 @@ class RegionOptions:
             raise InvalidRequestError(f"hugepages must be one of {HUGEPAGE_MODES}, got {mode!r}")
         values["hugepages"] = mode
         if "hugepage_size" in options:
-            values["hugepage_size"] = _hugepage_size(options["hugepage_size"], mode)
+            values["hugepage_size"] = _hugepage_size(options["hugepage_size"])
         populate = options.get("populate", "auto")
         if populate not in POPULATE_MODES:
             raise InvalidRequestError(f"populate must be one of {POPULATE_MODES}, got {populate!r}")
@@ -107,21 +107,20 @@ class RegionOptions:
         return self.populate_threads or _DEFAULT_THREADS
 
 
-def _hugepage_size(value: object, mode: str) -> int:
+def _hugepage_size(value: object) -> int:
     size = parse_size(value, what="hugepage_size")
     if size <= 0 or size & (size - 1):
         raise InvalidRequestError(
             f"hugepage_size must be a power of two such as 2MB or 1GB: {value!r}"
         )
-    sizes = sorted(kernel.hugepage_pools())
-    if mode != "off" and sizes and size not in sizes:
-        # `prefer` still falls back at allocation time with a counted reason; a size the
-        # hardware can never have is a bad request either way.
-        if size < 64 << 10:
-            raise InvalidRequestError(
-                f"hugepage_size {value!r} is not a hugepage size; this host has "
-                f"{[s // 1024 for s in sizes]} kB"
-            )
+    if size < 64 << 10:
+        # A size the host lacks (1GB here) still falls back, counted, at allocation time;
+        # one no hardware has is a bad request.
+        sizes = sorted(kernel.hugepage_pools())
+        raise InvalidRequestError(
+            f"hugepage_size {value!r} is not a hugepage size; this host has "
+            f"{[s // 1024 for s in sizes]} kB pages"
+        )
     return size
 
 

@@ -394,10 +394,8 @@ class _Builder:
 
     def abort(self) -> None:
         if self.chunks:
-            try:
+            with contextlib.suppress(Exception):
                 cuda.unpin(cuda.get_runtime(), self.chunks)
-            except Exception:
-                pass
         self.holder = None
         self.torch_tensor = None
         if self.mm is not None:
@@ -651,7 +649,7 @@ def _create_torch(
     b.torch_tensor = torch.empty(mapped, dtype=torch.uint8)
     address = int(b.torch_tensor.data_ptr())
     holder = _holder_type(mapped).from_address(address)
-    holder._owner = b.torch_tensor  # the holder keeps torch's storage alive
+    holder._owner = b.torch_tensor  # type: ignore[attr-defined]  # keeps torch's storage alive
     b.holder = holder
     t_pop = time.perf_counter()
     mode = options.populate

@@ -38,7 +38,7 @@ class _Handler(BaseHTTPRequestHandler):
     debug: Callable[[], dict[str, Any]]
     healthy: Callable[[], bool]
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             self._send(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)

@@ -165,4 +165,5 @@ def _map(
     import ctypes
 
     holder = (ctypes.c_ubyte * nbytes).from_buffer(mm)
-    return tensor_over(holder, tuple(dims), dtype)
+    tensor: torch.Tensor = tensor_over(holder, tuple(dims), dtype)
+    return tensor

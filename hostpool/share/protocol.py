@@ -10,6 +10,7 @@ raises ProtocolError, and the server drops that connection only.
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import socket
 import struct
@@ -94,7 +95,5 @@ def close_all(fds: list[int]) -> None:
     import os
 
     for fd in fds:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass

@@ -7,6 +7,7 @@ never holds a hostpool lock while sending, so a slow peer slows only itself.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import os
@@ -93,15 +94,11 @@ class PoolShareServer:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
         if self._created_dir:
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(os.path.dirname(self.path))
-            except OSError:
-                pass
         if self.ledger.share_clients == self.attached_counts:
             self.ledger.share_clients = None
 
@@ -128,7 +125,7 @@ class PoolShareServer:
                 if self._stop.is_set():
                     return
                 continue
-            pid, uid, gid = struct.unpack(
+            pid, uid, _gid = struct.unpack(
                 "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             )
             if uid not in self.allowed_uids:
