@@ -1,0 +1,62 @@
+"""`hostpool doctor`: what this host supports, and whether a request can be met."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from hostpool.memory.units import format_size, parse_size
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("doctor", help="report what this host supports (exit 1 if --need fails)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--hugepages", default="prefer", choices=("off", "prefer", "required"))
+    p.add_argument("--hugepage-size", default="2MB")
+    p.add_argument("--need", default="0", help="bytes a pool needs, e.g. 64GiB")
+    p.set_defaults(run=run)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def run(args: argparse.Namespace) -> int:
+    from hostpool.doctor import facts, plan
+
+    need = parse_size(args.need, what="--need")
+    report = {"host": facts(), "plan": plan(args.hugepages, args.hugepage_size, need)}
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0 if report["plan"]["ok"] else 1
+    host, chosen = report["host"], report["plan"]
+    lines = [
+        f"kernel               {host['kernel']}",
+        f"memfd                {_yes(host['memfd'])} (MFD_NOEXEC_SEAL "
+        f"{_yes(host['mfd_noexec_seal'])}, sealing {_yes(host['sealing'])})",
+        f"MADV_POPULATE_WRITE  {_yes(host['madv_populate_write'])}",
+        f"memory               {format_size(host['memory']['available_bytes'])} available of "
+        f"{format_size(host['memory']['total_bytes'])}",
+    ]
+    for label, hp in host["hugepages"].items():
+        lines.append(
+            f"hugepages {label:<10} total {hp['total']}, free {hp['free']}, "
+            f"reserved {hp['reserved']}"
+        )
+    lines += [
+        f"shmem THP            {host['thp']['shmem_enabled']}",
+        f"/dev/shm             {format_size(host['dev_shm']['free_bytes'])} free of "
+        f"{format_size(host['dev_shm']['size_bytes'])}",
+        f"RLIMIT_NOFILE        {host['rlimits']['nofile']['soft']} (hard "
+        f"{host['rlimits']['nofile']['hard']})",
+        f"RLIMIT_MEMLOCK       {host['rlimits']['memlock']['soft']}",
+        f"cgroup memory        {host['cgroup_memory'] or 'no limit'}",
+        f"CUDA                 {_yes(host['cuda'])}",
+        f"auto would choose    {chosen['backend']}, populate {chosen['populate']}, page "
+        f"{format_size(chosen['page_size']) if 'page_size' in chosen else '-'}"
+        + (f", fallbacks {chosen['fallbacks']}" if chosen.get("fallbacks") else ""),
+    ]
+    lines += [f"PROBLEM: {p}" for p in chosen["problems"]]
+    print("\n".join(lines))
+    return 0 if chosen["ok"] else 1
