@@ -153,8 +153,13 @@ def _mask(expr: str) -> str:
     keywords = "|".join(sorted(LABEL_LIST_KEYWORDS))
     for m in re.finditer(rf"\b(?:{keywords})\s*(\([^)]*\))", masked):
         masked = _blank(masked, m.start(1), m.end(1))
-    for m in re.finditer(r"(?<![\w:.])\d+(?:\.\d*)?(?:[eE][+-]?\d+)?", masked):
-        masked = _blank(masked, m.start(), m.end(), keep_ends=False)
+    numbers = (
+        r"(?<![\w:.])(?:\d+(?:ms|[smhdwy]))+(?![\w:])",  # durations (offset 5m)
+        r"(?<![\w:.])\d+(?:\.\d*)?(?:[eE][+-]?\d+)?",
+    )
+    for pattern in numbers:
+        for m in re.finditer(pattern, masked):
+            masked = _blank(masked, m.start(), m.end(), keep_ends=False)
     return masked
 
 

@@ -21,7 +21,15 @@ PAGE = 4096
 
 
 class DemoLoad:
-    def __init__(self, service: PoolService, *, interval: float = 0.2, seed: int = 0) -> None:
+    def __init__(
+        self,
+        service: PoolService,
+        *,
+        interval: float = 0.2,
+        seed: int = 0,
+        provoke_after: float = 5.0,
+    ) -> None:
+        self.provoke_after = provoke_after
         self.service = service
         self.interval = interval
         self.rng = random.Random(seed)
@@ -31,7 +39,6 @@ class DemoLoad:
         self._held: dict[str, list[torch.Tensor]] = {"demo": [], "demo_hugepages": []}
 
     def start(self) -> DemoLoad:
-        self._provoke_once()
         self._thread.start()
         return self
 
@@ -46,20 +53,25 @@ class DemoLoad:
             while held and allocator is not None:
                 allocator.release(held.pop())
 
+    def _fallback_target(self) -> tuple[int, int]:
+        """(hugepage size, bytes) that cannot fit its hugetlb pool: the cheapest to ask."""
+        pools = kernel.hugepage_pools()
+        if not pools:
+            return 2 << 20, 2 << 20
+        size = min(pools, key=lambda s: ((pools[s].available + 1) * s, s))
+        return size, (pools[size].available + 1) * size
+
     def _provoke_once(self) -> None:
         manager = self.service.manager
-        # A hugepage size whose pool is empty here: a counted fallback, never an error.
-        sizes = sorted(kernel.hugepage_pools(), key=lambda s: kernel.hugepage_pools()[s].available)
-        size = sizes[0] if sizes else 2 << 20
+        size, want = self._fallback_target()
         fallback = manager.allocator(
             "demo_hugepages", "shm", hugepages="prefer", hugepage_size=size
         )
-        pool = kernel.hugepage_pool(size)
-        want = ((pool.available if pool else 0) + 1) * size
-        try:
-            self._held["demo_hugepages"].append(fallback.allocate((want,), torch.uint8))
-        except HostPoolError as exc:  # e.g. a tight budget: still shows on the dashboard
-            events.info("hostpool.demo", step="fallback", error=str(exc))
+        if want <= 64 << 20:  # a counted fallback, never an error; skipped if it would be big
+            try:
+                self._held["demo_hugepages"].append(fallback.allocate((want,), torch.uint8))
+            except HostPoolError as exc:  # e.g. a tight budget: still shows on the dashboard
+                events.info("hostpool.demo", step="fallback", error=str(exc))
         # One refused allocation: more than the host has.
         refused = manager.allocator("demo_refused", "mmap", populate="none")
         total = kernel.meminfo().get("MemTotal", 1 << 40)
@@ -71,8 +83,19 @@ class DemoLoad:
     def _run(self) -> None:
         churn = self.service.manager.allocator("demo", "shm")
         kept = self._held["demo"]
+        # Name the pools first and provoke later, so a scraper sees their counters at 0
+        # before they move (increase() cannot see a series born above 0).
+        self.service.manager.allocator("demo_refused", "mmap", populate="none")
+        size, _ = self._fallback_target()
+        self.service.manager.allocator(
+            "demo_hugepages", "shm", hugepages="prefer", hugepage_size=size
+        )
+        provoked = False
         while not self._stop.wait(self.interval):
             self.cycles += 1
+            if not provoked and self.cycles * self.interval >= self.provoke_after:
+                self._provoke_once()
+                provoked = True
             for chunks in list(self.service.tensors.values()):
                 if not chunks:
                     continue

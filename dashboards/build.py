@@ -1,0 +1,765 @@
+#!/usr/bin/env python3
+"""Build the hostpool Grafana dashboard with grafana-foundation-sdk.
+
+`python dashboards/build.py` writes dashboards/hostpool.json; `--check` exits 1 when the
+committed file differs from what this script generates (CI runs it through the tests).
+The output is deterministic: sorted keys, stable uid, panel ids numbered in layout order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from grafana_foundation_sdk.builders import common as common_builders
+from grafana_foundation_sdk.builders import dashboard as dash
+from grafana_foundation_sdk.builders import gauge, heatmap, prometheus, stat, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models import heatmap as heatmap_models
+from grafana_foundation_sdk.models.dashboard import (
+    DashboardCursorSync,
+    DataSourceRef,
+    Threshold,
+    ThresholdsMode,
+    VariableRefresh,
+    VariableSort,
+)
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+UID = "hostpool-overview"
+TITLE = "hostpool"
+OUTPUT = Path(__file__).resolve().with_name("hostpool.json")
+
+# Every panel and every query uses the datasource variable, never a fixed datasource.
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+
+# Label selectors. hostpool's and the process collector's metrics are filtered by the
+# job/instance variables (and pool where the metric has one). node_exporter runs on its own
+# port, so its instance never equals a hostpool target's: it has its own `node` variable.
+TARGET = 'job=~"$job", instance=~"$instance"'
+POOL = TARGET + ', pool=~"$pool"'
+NODE = 'instance=~"$node"'
+RATE = "[$__rate_interval]"
+
+# Why a panel may legitimately be empty (the end-to-end test skips these when the named
+# component is not scraped). The same note is appended to the panel's description.
+NEEDS_NOTE = {
+    "node_exporter": "Empty unless node_exporter is scraped (pick its host in `node`).",
+    "exporter": "Empty unless `hostpool exporter` is scraped.",
+}
+
+PanelKind = Literal["timeseries", "heatmap", "stat", "gauge"]
+Needs = Literal["node_exporter", "exporter"]
+
+
+@dataclass(frozen=True)
+class Query:
+    expr: str
+    legend: str
+    heatmap: bool = False
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    title: str
+    description: str
+    unit: str
+    queries: tuple[Query, ...]
+    kind: PanelKind = "timeseries"
+    width: int = 8
+    height: int = 8
+    needs: Needs | None = None
+    # (value, colour) steps; the first value is None (the base colour).
+    thresholds: tuple[tuple[float | None, str], ...] = ((None, "green"),)
+    max_value: float | None = None
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    title: str
+    panels: tuple[PanelSpec, ...]
+
+
+def q(expr: str, legend: str) -> Query:
+    return Query(expr=expr, legend=legend)
+
+
+OVERVIEW = RowSpec(
+    "Overview",
+    (
+        PanelSpec(
+            "Allocated vs resident bytes",
+            "Bytes mapped by live hostpool allocations and the part of them backed by memory "
+            "now, per pool and backing page size. Resident should reach allocated once "
+            "populate finishes. Resident well below allocated means populate was skipped "
+            "(populate=none) or failed quietly: the server will page-fault on first touch, "
+            "or SIGBUS when tmpfs runs out. Check the pool's populate mode (Hugepages and "
+            "populate row) and `hostpool inspect PID`.",
+            "bytes",
+            (
+                q(
+                    f"sum by (pool, page_size) (hostpool_allocated_bytes{{{POOL}}})",
+                    "{{pool}} {{page_size}} allocated",
+                ),
+                q(
+                    f"sum by (pool, page_size) (hostpool_resident_bytes{{{POOL}}})",
+                    "{{pool}} {{page_size}} resident",
+                ),
+            ),
+            width=12,
+        ),
+        PanelSpec(
+            "Resident share of allocated",
+            "Resident / allocated bytes per pool. It should sit at 100% once populate "
+            "finishes; below 50% for 30 minutes fires HostpoolResidentFarBelowAllocated. "
+            "If it stays low, look at the populate modes panel and the server's "
+            "hostpool.alloc events for the pool.",
+            "percentunit",
+            (
+                q(
+                    f"sum by (pool) (hostpool_resident_bytes{{{POOL}}})"
+                    f" / (sum by (pool) (hostpool_allocated_bytes{{{POOL}}}) > 0)",
+                    "{{pool}}",
+                ),
+            ),
+            width=6,
+            thresholds=((None, "red"), (0.5, "orange"), (0.99, "green")),
+            max_value=1,
+        ),
+        PanelSpec(
+            "Open fds per pool",
+            "File descriptors the process holds for each pool: what /proc/PID/fd shows "
+            "(a memfd plus mmap's internal dup, so two per live shm allocation). Growth "
+            "without growth in live allocations means fds outlive their regions: compare "
+            "with `hostpool inspect PID`. The process-wide limit is in the Process row.",
+            "short",
+            (q(f"sum by (pool) (hostpool_open_fds{{{POOL}}})", "{{pool}}"),),
+            width=6,
+        ),
+        PanelSpec(
+            "Live allocations",
+            "Live allocations per pool and allocator. A count that keeps growing while the "
+            "server's load is flat means the caller never closes what it allocates. A drop "
+            "to zero while the process lives means the pool was closed.",
+            "short",
+            (
+                q(
+                    f"sum by (pool, allocator) (hostpool_live_allocations{{{POOL}}})",
+                    "{{pool}} {{allocator}}",
+                ),
+            ),
+        ),
+        PanelSpec(
+            "Released but still mapped",
+            "Bytes of regions released explicitly while tensors or views still map them: "
+            "the memory stays in use until the last view dies. A value that stays above "
+            "zero or grows (HostpoolReleasedMappedGrowing) means some code keeps views of "
+            "closed pools, or share peers stay attached: /debug/pools lists the regions "
+            "(state released_mapped or released_shared).",
+            "bytes",
+            (q(f"sum by (pool) (hostpool_released_mapped_bytes{{{POOL}}})", "{{pool}}"),),
+        ),
+        PanelSpec(
+            "Pinned bytes",
+            "Bytes registered with CUDA (page-locked) per pool. It should equal the "
+            "allocated bytes of pools configured with pin=True. Zero for such a pool means "
+            "pinning failed (see the server's hostpool.pin events): host-to-device copies "
+            "then go through a staging buffer and are slower.",
+            "bytes",
+            (q(f"sum by (pool) (hostpool_pinned_bytes{{{POOL}}})", "{{pool}}"),),
+        ),
+    ),
+)
+
+LIFECYCLE = RowSpec(
+    "Lifecycle",
+    (
+        PanelSpec(
+            "Allocation rate",
+            "Allocations per second per pool and allocator. Expect bursts at startup only. "
+            "A steady rate after warm-up means pools are re-created over and over (churn); "
+            "each allocation maps and populates memory, which is slow: keep pools for the "
+            "life of the server.",
+            "ops",
+            (
+                q(
+                    f"sum by (pool, allocator) (rate(hostpool_allocations_total{{{POOL}}}{RATE}))",
+                    "{{pool}} {{allocator}}",
+                ),
+            ),
+            width=12,
+        ),
+        PanelSpec(
+            "Release rate by how",
+            "Releases per second, by how: explicit (close()) or finalizer (the garbage "
+            "collector reclaimed a region nobody closed). Finalizer releases should be "
+            "zero: see the leak signal panel.",
+            "ops",
+            (
+                q(
+                    f"sum by (pool, how) (rate(hostpool_releases_total{{{POOL}}}{RATE}))",
+                    "{{pool}} {{how}}",
+                ),
+            ),
+            width=12,
+        ),
+        PanelSpec(
+            "Allocation failures by reason",
+            "Allocations refused or failed in each interval, by reason: budget (over the "
+            "budget), hugepages (hugepages=required, none free), no_memory, no_space "
+            "(tmpfs or /dev/shm full), fd_limit (RLIMIT_NOFILE), invalid (a bad request: a "
+            "caller bug), other. Any failure fires HostpoolAllocationFailures; the runbook "
+            "has the remedy for each reason.",
+            "short",
+            (
+                q(
+                    "sum by (pool, reason) "
+                    f"(increase(hostpool_allocation_failures_total{{{POOL}}}{RATE}))",
+                    "{{pool}} {{reason}}",
+                ),
+            ),
+            thresholds=((None, "green"), (1, "red")),
+            width=12,
+        ),
+        PanelSpec(
+            "Finalizer releases (leak signal)",
+            "Regions reclaimed by the garbage collector in each interval instead of being "
+            "closed: the code that allocated them dropped its tensors without close(). The "
+            "memory came back later than intended, which shows as memory spikes under "
+            "load. Any value above zero fires HostpoolFinalizerReleases: make the pool's "
+            "owner call close(), and catch it in tests with hostpool.testing.",
+            "short",
+            (
+                q(
+                    "sum by (pool) (increase(hostpool_releases_total"
+                    f'{{{POOL}, how="finalizer"}}{RATE}))',
+                    "{{pool}}",
+                ),
+            ),
+            thresholds=((None, "green"), (1, "red")),
+            width=12,
+        ),
+    ),
+)
+
+HUGEPAGES = RowSpec(
+    "Hugepages and populate",
+    (
+        PanelSpec(
+            "Hugepage fallbacks by reason",
+            "Allocations that asked for hugepages (hugepages=prefer) and got smaller pages, "
+            "per interval and reason: hugetlb_pool_short (reserve more pages of that size), "
+            "hugetlb_unsupported (no pool of that size on this host), thp_disabled "
+            "(shmem_enabled forbids transparent hugepages), devshm_no_hugepages (memfd "
+            "unavailable, the /dev/shm fallback cannot use hugetlb). Populate and teardown "
+            "are much slower on 4 KiB pages; see `hostpool doctor`.",
+            "short",
+            (
+                q(
+                    "sum by (pool, reason) "
+                    f"(increase(hostpool_hugepage_fallbacks_total{{{POOL}}}{RATE}))",
+                    "{{pool}} {{reason}}",
+                ),
+            ),
+            thresholds=((None, "green"), (1, "orange")),
+        ),
+        PanelSpec(
+            "Allocated bytes by page size",
+            "Where the selected pools' memory lives, by backing page size. With hugepages "
+            "configured, bytes on 4KiB mean allocations fell back: see the fallbacks panel.",
+            "bytes",
+            (q(f"sum by (page_size) (hostpool_allocated_bytes{{{POOL}}})", "{{page_size}}"),),
+        ),
+        PanelSpec(
+            "Populate modes",
+            "Live allocations per populate mode. madvise (MADV_POPULATE_WRITE) is expected "
+            "on kernels 5.14 and newer; map_populate or touch mean an older kernel; none "
+            "means populate=none was configured, and resident bytes lag allocated bytes "
+            "until first touch.",
+            "short",
+            (
+                q(
+                    f"sum by (pool, mode) (hostpool_populate_mode{{{POOL}}})",
+                    "{{pool}} {{mode}}",
+                ),
+            ),
+        ),
+        PanelSpec(
+            "Free hugepages per size",
+            "Free minus reserved hugetlb pages per page size, as hostpool sees them on each "
+            "target's host. Near zero means the next hugepage allocation falls back "
+            "(hugepages=prefer) or fails (hugepages=required): reserve more pages of that "
+            "size (/sys/kernel/mm/hugepages/hugepages-<size>/nr_hugepages).",
+            "short",
+            (
+                q(
+                    f"sum by (instance, page_size) (hostpool_hugepages_free{{{TARGET}}})",
+                    "{{instance}} {{page_size}}",
+                ),
+            ),
+            width=24,
+        ),
+    ),
+)
+
+
+def _quantile(phi: str) -> Query:
+    return q(
+        f"histogram_quantile({phi}, sum by (pool, le) "
+        f"(rate(hostpool_allocation_duration_seconds_bucket{{{POOL}}}{RATE})))",
+        f"{{{{pool}}}} p{phi[2:].ljust(2, '0')}",
+    )
+
+
+LATENCY = RowSpec(
+    "Latency",
+    (
+        PanelSpec(
+            "Allocation duration quantiles",
+            "Time to allocate and populate one region: p50, p90, p99 and mean per pool. "
+            "Populate dominates and scales with size; hugepages make it several times "
+            "faster. A jump without a change in allocation sizes points at memory pressure "
+            "(reclaim during populate) or at allocations falling back from hugepages.",
+            "s",
+            (
+                _quantile("0.5"),
+                _quantile("0.9"),
+                _quantile("0.99"),
+                q(
+                    "sum by (pool) "
+                    f"(rate(hostpool_allocation_duration_seconds_sum{{{POOL}}}{RATE}))"
+                    " / sum by (pool) "
+                    f"(rate(hostpool_allocation_duration_seconds_count{{{POOL}}}{RATE}))",
+                    "{{pool}} mean",
+                ),
+            ),
+            width=12,
+        ),
+        PanelSpec(
+            "Allocation duration heatmap",
+            "Allocations per duration bucket and interval, selected pools together. A "
+            "second band at higher durations means some allocations became slower: "
+            "usually those that fell back from hugepages or ran into reclaim.",
+            "short",
+            (
+                Query(
+                    "sum by (le) (increase("
+                    f"hostpool_allocation_duration_seconds_bucket{{{POOL}}}{RATE}))",
+                    "{{le}}",
+                    heatmap=True,
+                ),
+            ),
+            kind="heatmap",
+            width=12,
+        ),
+    ),
+)
+
+BUDGET = RowSpec(
+    "Budget",
+    (
+        PanelSpec(
+            "Budget and reservations",
+            "The effective budget (what is held plus what may still be allocated: the "
+            "smallest of the configured budget, MemAvailable minus headroom and the cgroup's "
+            "room) and the bytes reserved against it. A budget shrinking towards the "
+            "reservations means the host runs out of memory for reasons outside hostpool. "
+            "Zero means no budget is configured.",
+            "bytes",
+            (
+                q(f"hostpool_budget_bytes{{{TARGET}}}", "{{instance}} budget"),
+                q(f"hostpool_budget_reserved_bytes{{{TARGET}}}", "{{instance}} reserved"),
+            ),
+            width=16,
+        ),
+        PanelSpec(
+            "Budget used",
+            "Reserved / budget per target. Above 90% for 15 minutes fires "
+            "HostpoolBudgetNearlyUsed: the next large allocation will be refused with "
+            "reason=budget. Raise the budget, shrink pools, or free host memory.",
+            "percentunit",
+            (
+                q(
+                    f"hostpool_budget_reserved_bytes{{{TARGET}}}"
+                    f" / (hostpool_budget_bytes{{{TARGET}}} > 0)",
+                    "{{instance}}",
+                ),
+            ),
+            kind="gauge",
+            thresholds=((None, "green"), (0.8, "orange"), (0.9, "red")),
+            max_value=1,
+        ),
+    ),
+)
+
+SHARING = RowSpec(
+    "Sharing",
+    (
+        PanelSpec(
+            "Attached clients",
+            "Peer processes holding a pool's fds through `share`. Fewer than expected means "
+            "a peer cannot read the cache: check its logs and the share socket's path and "
+            "permissions. Clients that stay attached after they should have gone keep the "
+            "pool's memory mapped after the server releases it.",
+            "short",
+            (q(f"sum by (pool) (hostpool_attached_clients{{{POOL}}})", "{{pool}}"),),
+            width=24,
+        ),
+    ),
+)
+
+PROCESS = RowSpec(
+    "Process and host context",
+    (
+        PanelSpec(
+            "Process open fds vs limit",
+            "Open file descriptors of the whole process against its RLIMIT_NOFILE. "
+            "hostpool uses two per live shm allocation. Above 80% of the limit "
+            "HostpoolOpenFdsNearLimit fires, and at the limit allocations fail with "
+            "reason=fd_limit: raise the limit (ulimit -n, LimitNOFILE=) or use fewer, larger "
+            "allocations.",
+            "short",
+            (
+                q(f"process_open_fds{{{TARGET}}}", "{{instance}} open"),
+                q(f"process_max_fds{{{TARGET}}}", "{{instance}} limit"),
+            ),
+        ),
+        PanelSpec(
+            "Process resident memory vs hostpool resident",
+            "The process's RSS next to the resident bytes of the selected hostpool pools. "
+            "RSS counts shared pages only once the process touched them, so a pool "
+            "resident but absent from RSS is populated and not yet used. RSS far above "
+            "hostpool's share is memory outside hostpool.",
+            "bytes",
+            (
+                q(f"process_resident_memory_bytes{{{TARGET}}}", "{{instance}} process RSS"),
+                q(
+                    f"sum by (instance) (hostpool_resident_bytes{{{POOL}}})",
+                    "{{instance}} hostpool resident",
+                ),
+            ),
+        ),
+        PanelSpec(
+            "Collector scrape time",
+            "Time hostpool's collector took to build the last scrape. Above a second means "
+            "very many live regions: scrapes risk timing out (raise scrape_timeout) and "
+            "fewer, larger allocations would help.",
+            "s",
+            (q(f"hostpool_scrape_duration_seconds{{{TARGET}}}", "{{instance}}"),),
+        ),
+        PanelSpec(
+            "hostpool versions",
+            "Targets per hostpool version. More than one version is expected only during a "
+            "rollout; an unexpected one is a server that was not restarted.",
+            "short",
+            (q(f"count by (version) (hostpool_build_info{{{TARGET}}})", "{{version}}"),),
+            kind="stat",
+        ),
+        PanelSpec(
+            "Host shared memory",
+            "Shmem on the host (node_exporter): tmpfs, /dev/shm and memfds, hostpool's "
+            "pools included, hugetlb pages excluded. Far above hostpool's allocated bytes "
+            "means other processes or leftover /dev/shm files hold shared memory: check "
+            "`df /dev/shm` and `hostpool inspect`.",
+            "bytes",
+            (q(f"node_memory_Shmem_bytes{{{NODE}}}", "{{instance}}"),),
+            needs="node_exporter",
+        ),
+        PanelSpec(
+            "Host free hugepages (default size)",
+            "Free hugepages of the kernel's default hugepage size (node_exporter shows only "
+            "that size; hostpool's Free hugepages per size panel shows every size). Zero "
+            "means hugepage allocations of that size fall back or fail.",
+            "short",
+            (q(f"node_memory_HugePages_Free{{{NODE}}}", "{{instance}}"),),
+            needs="node_exporter",
+        ),
+    ),
+)
+
+EXPORTER = RowSpec(
+    "Exporter (other processes)",
+    (
+        PanelSpec(
+            "Exporter: mapped vs resident bytes",
+            "Bytes that processes matched by `hostpool exporter` map for each pool (read "
+            "from /proc), and how much of it is resident. Resident far below mapped means "
+            "the server did not populate its pools.",
+            "bytes",
+            (
+                q(
+                    f"sum by (prefix, pool) (hostpool_exporter_mapped_bytes{{{POOL}}})",
+                    "{{prefix}} {{pool}} mapped",
+                ),
+                q(
+                    f"sum by (prefix, pool) (hostpool_exporter_resident_bytes{{{POOL}}})",
+                    "{{prefix}} {{pool}} resident",
+                ),
+            ),
+            needs="exporter",
+        ),
+        PanelSpec(
+            "Exporter: open fds",
+            "File descriptors the matched processes hold for each pool. Growth without "
+            "growth in mapped bytes means the server leaks fds (closed mappings, open fds).",
+            "short",
+            (
+                q(
+                    f"sum by (prefix, pool) (hostpool_exporter_open_fds{{{POOL}}})",
+                    "{{prefix}} {{pool}}",
+                ),
+            ),
+            needs="exporter",
+        ),
+        PanelSpec(
+            "Exporter: mappings",
+            "Mappings of each pool in the matched processes. Far more mappings than fds "
+            "means the server maps the same memory repeatedly without unmapping.",
+            "short",
+            (
+                q(
+                    f"sum by (prefix, pool) (hostpool_exporter_mappings{{{POOL}}})",
+                    "{{prefix}} {{pool}}",
+                ),
+            ),
+            needs="exporter",
+        ),
+        PanelSpec(
+            "Exporter: matched processes",
+            "Processes the exporter matched per prefix. Zero means the watched server is "
+            "down or names its memory with another prefix (hostpool. or "
+            "sglang_host_pool_): check `hostpool exporter --match`.",
+            "short",
+            (q(f"sum by (prefix) (hostpool_exporter_processes{{{TARGET}}})", "{{prefix}}"),),
+            width=24,
+            needs="exporter",
+        ),
+    ),
+)
+
+ROWS: tuple[RowSpec, ...] = (
+    OVERVIEW,
+    LIFECYCLE,
+    HUGEPAGES,
+    LATENCY,
+    BUDGET,
+    SHARING,
+    PROCESS,
+    EXPORTER,
+)
+
+# Panels allowed to be empty, by what they need (for the end-to-end test).
+OPTIONAL_PANELS: dict[str, Needs] = {
+    panel.title: panel.needs for row in ROWS for panel in row.panels if panel.needs is not None
+}
+NODE_EXPORTER_PANELS = frozenset(t for t, n in OPTIONAL_PANELS.items() if n == "node_exporter")
+EXPORTER_PANELS = frozenset(t for t, n in OPTIONAL_PANELS.items() if n == "exporter")
+
+
+def _description(panel: PanelSpec) -> str:
+    if panel.needs is None:
+        return panel.description
+    return f"{panel.description} {NEEDS_NOTE[panel.needs]}"
+
+
+def _target(query: Query, ref_id: str) -> prometheus.Dataquery:
+    target = (
+        prometheus.Dataquery()
+        .expr(query.expr)
+        .legend_format(query.legend)
+        .ref_id(ref_id)
+        .datasource(DATASOURCE)
+        .range()
+    )
+    if query.heatmap:
+        target = target.format(PromQueryFormat.HEATMAP)
+    return target
+
+
+def _thresholds(steps: tuple[tuple[float | None, str], ...]) -> dash.ThresholdsConfig:
+    return (
+        dash.ThresholdsConfig()
+        .mode(ThresholdsMode.ABSOLUTE)
+        .steps([Threshold(value=value, color=color) for value, color in steps])
+    )
+
+
+def _last_value() -> common_builders.ReduceDataOptions:
+    return common_builders.ReduceDataOptions().calcs(["lastNotNull"]).values(False)
+
+
+def _panel(spec: PanelSpec, panel_id: int) -> Any:
+    builder: Any
+    if spec.kind == "timeseries":
+        builder = (
+            timeseries.Panel()
+            .fill_opacity(10)
+            .show_points(common.VisibilityMode.NEVER)
+            .legend(
+                common_builders.VizLegendOptions()
+                .show_legend(True)
+                .display_mode(common.LegendDisplayMode.TABLE)
+                .placement(common.LegendPlacement.BOTTOM)
+                .calcs(["lastNotNull", "max"])
+            )
+            .tooltip(
+                common_builders.VizTooltipOptions()
+                .mode(common.TooltipDisplayMode.MULTI)
+                .sort(common.SortOrder.DESCENDING)
+            )
+            .min(0)
+        )
+    elif spec.kind == "heatmap":
+        builder = (
+            heatmap.Panel()
+            .calculate(False)
+            .y_axis(heatmap.YAxisConfig().unit("s"))
+            .cell_values(heatmap.CellValues().unit(spec.unit))
+            .color(
+                heatmap.HeatmapColorOptions()
+                .mode(heatmap_models.HeatmapColorMode.SCHEME)
+                .scheme("Oranges")
+                .fill("dark-orange")
+                .steps(64)
+                .scale(heatmap_models.HeatmapColorScale.EXPONENTIAL)
+                .exponent(0.5)
+            )
+            .rows_frame(heatmap.RowsHeatmapOptions().layout(common.HeatmapCellLayout.LE))
+        )
+    elif spec.kind == "stat":
+        builder = (
+            stat.Panel()
+            .graph_mode(common.BigValueGraphMode.NONE)
+            .text_mode(common.BigValueTextMode.VALUE_AND_NAME)
+            .reduce_options(_last_value())
+        )
+    else:
+        builder = gauge.Panel().min(0).reduce_options(_last_value())
+    builder = (
+        builder.id(panel_id)
+        .title(spec.title)
+        .description(_description(spec))
+        .datasource(DATASOURCE)
+        .unit(spec.unit)
+        .span(spec.width)
+        .height(spec.height)
+        .thresholds(_thresholds(spec.thresholds))
+    )
+    if spec.max_value is not None:
+        builder = builder.max(spec.max_value)
+    ref_ids = "ABCDEFGHIJ"
+    for ref_id, query in zip(ref_ids, spec.queries, strict=False):
+        builder = builder.with_target(_target(query, ref_id))
+    return builder
+
+
+def _query_variable(name: str, label: str, query: str, description: str) -> dash.QueryVariable:
+    return (
+        dash.QueryVariable(name)
+        .label(label)
+        .description(description)
+        .datasource(DATASOURCE)
+        .query(query)
+        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(VariableSort.ALPHABETICAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+    )
+
+
+def variables() -> list[Any]:
+    return [
+        dash.DatasourceVariable("datasource").label("Data source").type("prometheus"),
+        _query_variable(
+            "job",
+            "Job",
+            'label_values({__name__=~"hostpool_build_info|hostpool_exporter_processes"}, job)',
+            "Scrape jobs exposing hostpool metrics (servers and exporters).",
+        ),
+        _query_variable(
+            "instance",
+            "Instance",
+            'label_values({__name__=~"hostpool_build_info|hostpool_exporter_processes",'
+            ' job=~"$job"}, instance)',
+            "Targets of the selected jobs.",
+        ),
+        _query_variable(
+            "pool",
+            "Pool",
+            'label_values({__name__=~"hostpool_open_fds|hostpool_exporter_open_fds",'
+            ' job=~"$job", instance=~"$instance"}, pool)',
+            "hostpool pools of the selected targets.",
+        ),
+        _query_variable(
+            "node",
+            "Host (node_exporter)",
+            "label_values(node_memory_Shmem_bytes, instance)",
+            "node_exporter targets for the host context panels.",
+        ),
+    ]
+
+
+def build() -> Any:
+    """The dashboard model (grafana_foundation_sdk.models.dashboard.Dashboard)."""
+    builder = (
+        dash.Dashboard(TITLE)
+        .uid(UID)
+        .description(
+            "hostpool's shared-memory host pools: memory, lifecycle, hugepages, latency, "
+            "budget, sharing. Every panel's description says what to do when it looks wrong."
+        )
+        .tags(["hostpool"])
+        .editable()
+        .tooltip(DashboardCursorSync.CROSSHAIR)
+        .time("now-6h", "now")
+        .timezone("browser")
+        .refresh("30s")
+        .variables(variables())
+    )
+    panel_id = 0
+    for row in ROWS:
+        panel_id += 1
+        builder = builder.with_row(dash.Row(row.title).id(panel_id))
+        for spec in row.panels:
+            panel_id += 1
+            builder = builder.with_panel(_panel(spec, panel_id))
+    return builder.build()
+
+
+def render() -> str:
+    model = json.loads(json.dumps(build(), cls=JSONEncoder))
+    return json.dumps(model, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", type=Path, default=OUTPUT, help="default: %(default)s")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 if the output file differs from what would be generated",
+    )
+    args = parser.parse_args(argv)
+    text = render()
+    output: Path = args.output
+    if args.check:
+        current = output.read_text(encoding="utf-8") if output.exists() else None
+        if current != text:
+            print(
+                f"{output} is out of date: run `python dashboards/build.py`",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
+    output.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Faults from real limits (or the syscall seam where the kernel cannot be made to fail):
+each ends in the typed error or the counted fallback it should, never a crash."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+
+import pytest
+import torch
+
+from hostpool import AllocationError, HostPoolManager, ShmHostTensorAllocator
+from hostpool.lifecycle import get_ledger
+from hostpool.memory import cuda
+from tests import helpers
+from tests.test_pinning import FakeCuda
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MiB = 1 << 20
+
+
+def _child(code: str) -> subprocess.CompletedProcess[str]:
+    proc = helpers.run_python(code, cwd=ROOT)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    return proc
+
+
+def test_fd_limit_just_above_the_current_count() -> None:
+    proc = _child(
+        """
+        import os, resource, torch
+        from hostpool import ShmHostTensorAllocator, AllocationError
+        from hostpool.lifecycle import get_ledger
+        from tests import helpers
+        a = ShmHostTensorAllocator("nofile")
+        a.allocate((4096,), torch.uint8)  # warm: imports and probes open no fds later
+        a.close()
+        highest = max(int(n) for n in os.listdir("/proc/self/fd"))  # includes the listing's fd
+        # Room for exactly one more fd: the memfd opens, mmap's dup of it does not.
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (highest + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        )
+        try:
+            a2 = ShmHostTensorAllocator("nofile")
+            a2.allocate((4096,), torch.uint8)
+            print("allocated?!")
+        except AllocationError as e:
+            print("refused", e.reason)
+        assert [r for r in get_ledger().snapshot() if r.pool == "nofile"] == []
+        assert helpers.fd_links() == {}
+        failures = get_ledger().counters()["failures_total"]
+        print("counted", failures.get(("nofile", "fd_limit"), 0))
+        """
+    )
+    assert "refused fd_limit" in proc.stdout and "counted 1" in proc.stdout
+
+
+def test_memfd_unavailable_and_madvise_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hostpool.memory import syscalls
+
+    def no_memfd(name: str, flags: int) -> int:
+        raise OSError(errno.ENOSYS, "injected: no memfd_create")
+
+    real_madvise = syscalls.madvise
+
+    def no_populate(address: int, length: int, advice: int) -> None:
+        if advice == syscalls.MADV_POPULATE_WRITE:
+            raise OSError(errno.EINVAL, "injected: no MADV_POPULATE_WRITE")
+        real_madvise(address, length, advice)
+
+    monkeypatch.setattr(syscalls, "memfd_create", no_memfd)
+    monkeypatch.setattr(syscalls, "madvise", no_populate)
+    auto = ShmHostTensorAllocator("seam")
+    t = auto.allocate((2 * MiB,), torch.uint8)
+    region = auto.regions[0]
+    assert (region.backend, region.populate_mode) == ("devshm", "map_populate")
+    assert os.fstat(auto.fd).st_blocks * 512 == 2 * MiB
+    with pytest.raises(AllocationError):
+        ShmHostTensorAllocator("seam", shm_backend="memfd").allocate((4096,), torch.uint8)
+    auto.close()
+    del t
+
+
+def test_cuda_registration_failing_at_chunk_k() -> None:
+    fake = FakeCuda(fail_at=2)
+    previous = cuda.set_runtime(fake)
+    try:
+        with HostPoolManager() as manager:
+            alloc = manager.allocator("pinfault", pin=True, pin_chunk_bytes=MiB)
+            with pytest.raises(AllocationError, match="cudaHostRegister"):
+                alloc.allocate((4 * MiB,), torch.uint8)
+            assert fake.registered == {} and fake.problems == []
+            failures = get_ledger().counters()["failures_total"]
+            assert failures[("pinfault", "other")] >= 1
+    finally:
+        cuda.set_runtime(previous)
+
+
+def test_tiny_tmpfs_ends_in_enospc(root: None, tmp_path: os.PathLike[str]) -> None:
+    mnt = os.path.join(tmp_path, "tiny")
+    os.mkdir(mnt)
+    if os.system(f"mount -t tmpfs -o size=2m tmpfs {mnt}") != 0:
+        pytest.skip("cannot mount tmpfs")
+    try:
+        proc = _child(
+            f"""
+            import torch
+            from hostpool import ShmHostTensorAllocator, AllocationError
+            from tests import helpers
+            for populate in ("touch", "map_populate", "auto"):
+                a = ShmHostTensorAllocator("enospc", shm_backend="devshm", fallback_dir={mnt!r},
+                                           populate=populate)
+                try:
+                    a.allocate((16 << 20,), torch.uint8)
+                except AllocationError as e:
+                    print(populate, e.reason)
+            assert helpers.fd_links() == {{}} and helpers.maps_lines("hostpool.") == []
+            """
+        )
+        assert "touch no_space" in proc.stdout and "map_populate no_space" in proc.stdout
+        assert "auto " in proc.stdout
+    finally:
+        os.system(f"umount {mnt}")
+
+
+def test_hugetlb_cgroup_limit(root: None) -> None:
+    """A hugetlb.2MB.max cgroup limit: refused by the budget, and by populate without one."""
+    unified = "/sys/fs/cgroup/unified"
+    if not os.path.exists(os.path.join(unified, "cgroup.controllers")):
+        unified = "/sys/fs/cgroup"
+    with open(os.path.join(unified, "cgroup.controllers")) as f:
+        if "hugetlb" not in f.read().split():
+            pytest.skip("no hugetlb controller in the v2 hierarchy")
+    group = os.path.join(unified, f"hostpool-test-{os.getpid()}")
+    with open(os.path.join(unified, "cgroup.subtree_control"), "w") as f:
+        f.write("+hugetlb")
+    os.mkdir(group)
+    try:
+        with open(os.path.join(group, "hugetlb.2MB.max"), "w") as f:
+            f.write(str(4 * MiB))
+        with helpers.reserved_hugepages(16):
+            proc = _child(
+                f"""
+                import os, torch
+                with open({os.path.join(group, "cgroup.procs")!r}, "w") as f:
+                    f.write(str(os.getpid()))
+                from hostpool import HostPoolManager, ShmHostTensorAllocator, AllocationError
+                from tests import helpers
+                with HostPoolManager() as m:
+                    try:
+                        m.allocator("cg", hugepages="required").allocate((16 << 20,), torch.uint8)
+                    except AllocationError as e:
+                        print("budget:", e.reason, "hugetlb.2MB.max" in str(e))
+                try:
+                    ShmHostTensorAllocator("cg2", hugepages="required").allocate((16 << 20,), torch.uint8)
+                    print("populated?!")
+                except AllocationError as e:
+                    print("populate:", e.reason)
+                assert helpers.fd_links() == {{}}
+                """
+            )
+        assert "budget: hugepages True" in proc.stdout
+        assert "populate: no_memory" in proc.stdout  # EFAULT from MADV, not a SIGBUS
+    finally:
+        os.rmdir(group)
