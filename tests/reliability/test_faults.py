@@ -153,7 +153,8 @@ def test_hugetlb_cgroup_limit(root: None) -> None:
                     except AllocationError as e:
                         print("budget:", e.reason, "hugetlb.2MB.max" in str(e))
                 try:
-                    ShmHostTensorAllocator("cg2", hugepages="required").allocate((16 << 20,), torch.uint8)
+                    plain = ShmHostTensorAllocator("cg2", hugepages="required")
+                    plain.allocate((16 << 20,), torch.uint8)
                     print("populated?!")
                 except AllocationError as e:
                     print("populate:", e.reason)

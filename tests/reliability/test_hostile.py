@@ -87,9 +87,10 @@ def test_allocate_never_crashes_or_leaks(
 )
 def test_serve_configs_are_accepted_or_config_errors(config: object) -> None:
     try:
-        from_mapping(config if isinstance(config, dict) else {"pools": config})
+        parsed = from_mapping(config if isinstance(config, dict) else {"pools": config})
     except ConfigError:
-        pass
+        return
+    assert parsed.pools and all(p.size > 0 for p in parsed.pools)
 
 
 @settings(max_examples=100, deadline=None)
