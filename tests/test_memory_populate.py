@@ -135,3 +135,42 @@ def test_parallel_populate_splits_large_regions(
     assert os.fstat(alloc.fd).st_blocks * 512 == 32 << 20
     alloc.close()
     del t
+
+
+def test_numa_bind_before_populate(no_leaked_fds: None) -> None:
+    from hostpool.memory import kernel
+
+    node = kernel.numa_nodes()[0]
+    for cls in (ShmHostTensorAllocator, MmapHostTensorAllocator):
+        alloc = cls("numa", numa_node=node)
+        t = alloc.allocate((4 << 20,), torch.uint8)
+        region = alloc.regions[0]
+        assert region.numa_node == node and region.resident_bytes() == 4 << 20
+        # /proc/self/numa_maps shows the bind policy on the mapping
+        start = f"{region.address:x} "
+        with open("/proc/self/numa_maps") as f:
+            line = next(x for x in f if x.startswith(start))
+        assert f"bind:{node}" in line
+        alloc.close()
+        del t
+
+
+def test_anonymous_regions_are_named_where_the_kernel_can() -> None:
+    from hostpool.memory import syscalls
+
+    probe = MmapHostTensorAllocator("named", populate="none")
+    t = probe.allocate((4096,), torch.uint8)
+    region = probe.regions[0]
+    supported = syscalls.name_anonymous_mapping(region.address, 4096, "hostpool.probe")
+    if not supported:
+        assert region.name is None  # CONFIG_ANON_VMA_NAME is off: skipped quietly
+        probe.close()
+        del t
+        pytest.skip("this kernel cannot name anonymous mappings (CONFIG_ANON_VMA_NAME)")
+    probe.close()
+    del t
+    alloc = MmapHostTensorAllocator("named")
+    t = alloc.allocate((4096,), torch.uint8)
+    assert helpers.maps_lines(f"[anon:hostpool.named.{os.getpid()}]")
+    alloc.close()
+    del t

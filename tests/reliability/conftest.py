@@ -32,3 +32,41 @@ def back_to_baseline() -> Iterator[None]:
     assert helpers.maps_lines("hostpool.") == maps
     assert {r.id for r in ledger.snapshot()} == ids
     assert helpers.shmem_bytes() <= shmem + SHMEM_SLACK
+
+
+_results: dict[str, object] = {"passed": [], "failed": []}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        key = "passed" if report.passed else "failed"
+        _results[key].append(report.nodeid)  # type: ignore[attr-defined]
+
+
+def record_churn(cycles: int, seconds: float) -> None:
+    _results["churn"] = {"cycles": cycles, "seconds": round(seconds, 1), "threads": 8}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """`make soak` writes its figures for the README (bench/report.py renders them)."""
+    if not SOAK:
+        return
+    import json
+    import platform
+    import time
+    from pathlib import Path
+
+    passed: list[str] = _results["passed"]  # type: ignore[assignment]
+    faults = [t for t in passed if "/test_faults.py" in t or "/test_kills.py" in t]
+    out = {
+        "benchmark": "soak",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "kernel": platform.release(),
+        "churn": _results.get("churn"),
+        "tests_passed": len(passed),
+        "tests_failed": len(_results["failed"]),  # type: ignore[arg-type]
+        "faults_injected": len(faults),
+        "fault_cases": sorted(t.split("::")[-1] for t in faults),
+    }
+    path = Path(__file__).resolve().parents[2] / "bench" / "results" / "soak.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")

@@ -12,7 +12,7 @@ import torch
 from hostpool import HostPoolManager
 from hostpool.lifecycle import get_ledger
 from tests import helpers
-from tests.reliability.conftest import SOAK
+from tests.reliability.conftest import SOAK, record_churn
 
 CYCLES = 100_000 if SOAK else 10_000
 THREADS = 8
@@ -76,4 +76,4 @@ def test_churn_counts_balance_and_nothing_is_left() -> None:
     assert made == delta("releases_total", "explicit") + delta("releases_total", "finalizer")
     candidates = {r for r in recorded if r[1] - r[0] != 1 << 20}  # CPython arenas are 1 MiB
     assert candidates & set(helpers.mapped_ranges()) == set()
-    print(f"churn: {CYCLES} cycles in {seconds:.1f} s")
+    record_churn(CYCLES, seconds)
