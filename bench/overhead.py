@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hostpool import HostPoolManager, ShmHostTensorAllocator
 from hostpool.budget import Admission
 from hostpool.memory import cgroup, kernel
+from hostpool.memory.create import create_region
 from hostpool.memory.options import RegionOptions
-from hostpool.memory.region import create_region, tensor_over
+from hostpool.memory.region import tensor_over
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overhead.json"
 SIZE = 2 << 20

@@ -13,8 +13,9 @@ from typing import Any
 
 from hostpool.errors import AllocationError
 from hostpool.memory import cgroup, cuda, kernel
+from hostpool.memory.create import _choose_populate
+from hostpool.memory.hugepages import plan_hugepages
 from hostpool.memory.options import RegionOptions
-from hostpool.memory.region import _choose_populate, plan_hugepages
 from hostpool.memory.units import format_size
 
 

@@ -31,7 +31,7 @@ from hostpool import __version__
 from hostpool.errors import FAILURE_REASONS
 from hostpool.lifecycle import DURATION_BUCKETS, Ledger, get_ledger
 from hostpool.memory import kernel
-from hostpool.memory.region import FALLBACK_REASONS
+from hostpool.memory.hugepages import FALLBACK_REASONS
 from hostpool.memory.units import format_size
 
 POPULATE_MODES = ("madvise", "map_populate", "touch", "none")

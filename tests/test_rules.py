@@ -307,7 +307,7 @@ def test_catalogue_matches_the_library() -> None:
 
 def test_catalogue_documents_the_fixed_reason_sets() -> None:
     from hostpool.errors import FAILURE_REASONS
-    from hostpool.memory.region import FALLBACK_REASONS
+    from hostpool.memory.hugepages import FALLBACK_REASONS
 
     text = (METRICS / "README.md").read_text(encoding="utf-8")
     for reason in (*FAILURE_REASONS, *FALLBACK_REASONS):

@@ -72,11 +72,9 @@ def run(args: argparse.Namespace) -> int:
         pid=args.pid,
         match=args.match,
     )
-    try:
-        stop.wait()
-    finally:
-        server.shutdown()
-        server.server_close()
+    stop.wait()
+    # no server.shutdown(): it waits out serve_forever's 0.5 s poll; the thread is a daemon
+    server.server_close()
     return 0
 
 

@@ -56,6 +56,14 @@ def run(args: argparse.Namespace) -> int:
         return _fail(2, str(exc))
     except procfs.ProcessAccessError as exc:
         return _fail(1, str(exc))
+    try:
+        return _loop(pid, prefixes, args)
+    except BrokenPipeError:  # `hostpool inspect ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _loop(pid: int, prefixes: Sequence[str], args: argparse.Namespace) -> int:
     out = sys.stdout
     tty = out.isatty()
     while True:
@@ -177,7 +185,10 @@ def render_table(snapshot: dict[str, Any], out: TextIO, *, watching: bool = Fals
     ]
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
     for row in (header, *rows):
-        cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        cells = [
+            c.ljust(w) if i < 2 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
         out.write("  ".join(cells).rstrip() + "\n")
     if snapshot["findings"]:
         out.write("\nfindings:\n")

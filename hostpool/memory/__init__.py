@@ -1,7 +1,9 @@
 """OS layer: shared memory, mappings, populate, hugepages, seals, pinning. No policy."""
 
+from hostpool.memory.create import create_region
+from hostpool.memory.hugepages import plan_hugepages
 from hostpool.memory.options import RegionOptions
-from hostpool.memory.region import Region, create_region, plan_hugepages, tensor_over
+from hostpool.memory.region import Region, tensor_over
 from hostpool.memory.units import format_size, parse_size
 
 __all__ = [

@@ -71,7 +71,8 @@ class Leak:
     size: int
     fds: tuple[int, ...]
     mappings: tuple[str, ...]  # "start-end" addresses
-    stack: str | None = None
+    in_ledger: bool = False  # hostpool's ledger made it (in this process)
+    stack: str | None = None  # where, when stacks are tracked
 
     def describe(self) -> str:
         parts = [f"pool {self.pool!r}: {self.kind} {self.name}, {procfs.format_size(self.size)}"]
@@ -82,7 +83,7 @@ class Leak:
         text = "; ".join(parts)
         if self.stack:
             text += "\n    allocated at:\n" + _indent(self.stack.rstrip(), "      ")
-        elif self.prefix == procfs.HOSTPOOL_PREFIX:
+        elif self.in_ledger:
             text += "\n    (set HOSTPOOL_TRACK_STACKS=1 to see where it was allocated)"
         return text
 
@@ -147,7 +148,7 @@ def describe(added: ShmState, prefixes: Sequence[str]) -> list[Leak]:
     fds = [f for f in procfs.shm_fds("self", prefixes) if (f.fd, f.dev, f.ino) in added.fds]
     maps = [m for line in added.maps if (m := procfs.parse_maps_line(line, prefixes))]
     objects = procfs.group_objects(procfs.ProcessShm(0, tuple(fds), tuple(maps)))
-    stacks = _ledger_stacks()
+    known = _ledger_regions()
     return [
         Leak(
             kind=o.kind,
@@ -157,14 +158,16 @@ def describe(added: ShmState, prefixes: Sequence[str]) -> list[Leak]:
             size=o.size,
             fds=tuple(f.fd for f in o.fds),
             mappings=tuple(f"{m[0].start:x}-{m[-1].end:x}" for m in o.mappings),
-            stack=stacks.get((o.dev, o.ino)) or stacks.get(o.name.name),
+            in_ledger=(o.dev, o.ino) in known or o.name.name in known,
+            stack=known.get((o.dev, o.ino)) or known.get(o.name.name),
         )
         for o in objects
     ]
 
 
-def _ledger_stacks() -> dict[Any, str]:
-    """Allocation stacks by (dev, ino) and by name, if hostpool's ledger is loaded.
+def _ledger_regions() -> dict[Any, str | None]:
+    """Regions the ledger knows, by (dev, ino) and by name, with their allocation stacks
+    (None unless tracked), if hostpool's ledger is loaded.
 
     Written against the ledger's snapshot records (`name`, `device`, `inode`, `stack`),
     defensively: a leak report must never fail because of the ledger.
@@ -176,11 +179,9 @@ def _ledger_stacks() -> dict[Any, str]:
         records = lifecycle.get_ledger().snapshot()
     except Exception:
         return {}
-    stacks: dict[Any, str] = {}
+    stacks: dict[Any, str | None] = {}
     for record in records:
-        stack = getattr(record, "stack", None)
-        if not stack:
-            continue
+        stack = getattr(record, "stack", None) or None
         name = getattr(record, "name", None)
         if name:
             stacks[name] = stack

@@ -30,6 +30,7 @@ INI_ENABLE = "hostpool_leak_check"
 INI_PREFIXES = "hostpool_leak_prefixes"
 
 _call_failed = pytest.StashKey[bool]()
+_running = pytest.StashKey[LeakCheck]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -68,25 +69,38 @@ def pytest_runtest_makereport(
 @pytest.fixture
 def hostpool_leak_check(request: pytest.FixtureRequest) -> Iterator[LeakCheck]:
     """Fail the test if it leaves shared-memory fds or mappings behind (see the plugin)."""
-    check = LeakCheck(_prefixes(request))
-    yield check
-    if request.node.stash.get(_call_failed, False):
+    running = request.node.stash.get(_running, None)
+    if running is not None:  # the marker or ini option already checks this test
+        yield running
         return
-    leaks = check.leaks()
-    if leaks:
-        pytest.fail(f"hostpool leak check: {ShmLeakError(leaks)}", pytrace=False)
+    yield from _checked(request)
 
 
 @pytest.fixture(autouse=True)
-def _hostpool_leak_check_auto(request: pytest.FixtureRequest) -> None:
-    """Turns the check on for marked tests, or for all with the ini option."""
+def _hostpool_leak_check_auto(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Checks marked tests, or all with the ini option: itself, not through
+    getfixturevalue, whose machinery would cost as much as the check's reads."""
     marker = request.node.get_closest_marker(MARKER)
     if marker is not None:
         wanted = bool(marker.kwargs.get("enabled", True))
     else:
         wanted = bool(request.config.getini(INI_ENABLE))
     if wanted:
-        request.getfixturevalue("hostpool_leak_check")
+        for _ in _checked(request):
+            yield
+    else:
+        yield
+
+
+def _checked(request: pytest.FixtureRequest) -> Iterator[LeakCheck]:
+    check = LeakCheck(_prefixes(request))
+    request.node.stash[_running] = check
+    yield check
+    if request.node.stash.get(_call_failed, False):
+        return
+    leaks = check.leaks()
+    if leaks:
+        pytest.fail(f"hostpool leak check: {ShmLeakError(leaks)}", pytrace=False)
 
 
 def _prefixes(request: pytest.FixtureRequest) -> tuple[str, ...]:

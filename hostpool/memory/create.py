@@ -1,0 +1,369 @@
+"""Building a Region: open, size, seal, map, bind, populate, pin, in that order.
+
+Every failure closes what it opened, in reverse, before raising: no fd, mapping or pin
+is left behind, and an OSError becomes an AllocationError with a reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import mmap
+import os
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from hostpool.errors import AllocationError, HugepageUnavailableError
+from hostpool.memory import cuda, kernel, populate, shm, syscalls
+from hostpool.memory.hugepages import HugepagePlan, plan_hugepages, required_message
+from hostpool.memory.options import RegionOptions
+from hostpool.memory.region import (
+    Kind,
+    Region,
+    RegionMapping,
+    _holder_type,
+    _mapping_gone,
+    _next_region_id,
+    _views_gone,
+)
+
+
+def _pin(
+    address: int, length: int, options: RegionOptions, page_size: int
+) -> list[tuple[int, int]]:
+    """cudaHostRegister in chunks (rolled back on failure); [] where CUDA is absent."""
+    runtime = cuda.get_runtime()
+    if not runtime.available():
+        return []
+    try:
+        return cuda.pin(runtime, address, length, options.pin_chunk_bytes, page_size)
+    except RuntimeError as exc:
+        raise AllocationError(
+            f"pinning {length} bytes with cudaHostRegister failed ({exc}); every chunk "
+            "registered before it was unregistered. Check RLIMIT_MEMLOCK and GPU state",
+            reason="other",
+        ) from exc
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-max(n, 1) // unit) * unit
+
+
+def _open_shm(
+    pool: str, options: RegionOptions, hugetlb_size: int | None
+) -> tuple[shm.ShmFile, str]:
+    name = shm.next_name(options.name_prefix, pool)
+    if options.shm_backend == "devshm":
+        return shm.create_devshm(name, options.fallback_dir), "devshm"
+    try:
+        return shm.create_memfd(name, hugetlb_page_size=hugetlb_size), "memfd"
+    except OSError as exc:
+        if options.shm_backend == "memfd" or exc.errno in (
+            errno.EMFILE,
+            errno.ENFILE,
+            errno.ENOMEM,
+        ):
+            raise
+        if hugetlb_size is not None:
+            raise
+        return shm.create_devshm(name, options.fallback_dir), "devshm"
+
+
+class _Builder:
+    """Everything opened while building a Region, closed in reverse on any failure."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self.mm: RegionMapping | None = None
+        self.holder: Any = None
+        self.chunks: list[tuple[int, int]] = []
+        self.torch_tensor: Any = None
+
+    def abort(self) -> None:
+        if self.chunks:
+            with contextlib.suppress(Exception):
+                cuda.unpin(cuda.get_runtime(), self.chunks)
+        self.holder = None
+        self.torch_tensor = None
+        if self.mm is not None:
+            mmap.mmap.close(self.mm)
+            self.mm = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _populate(
+    b: _Builder,
+    mode: str,
+    address: int,
+    length: int,
+    page_size: int,
+    options: RegionOptions,
+) -> str:
+    """Populate the mapping per `mode`; returns the mode actually used."""
+    if mode == "none":
+        return "none"
+    if mode == "map_populate":
+        # Only anonymous mappings get here after mmap(MAP_POPULATE): verify, never trust.
+        if b.fd is not None:
+            populate.check_fd_resident(b.fd, length)
+        elif syscalls.mincore_resident_pages(address, length) * syscalls.PAGE_SIZE < length:
+            raise AllocationError("MAP_POPULATE left pages unbacked", reason="no_memory")
+        return "map_populate"
+    if mode == "touch":
+        populate.touch(address, length, page_size=page_size)
+        return "touch"
+    populate.madvise_populate(
+        address, length, page_size=page_size, threads=options.effective_populate_threads()
+    )
+    return "madvise"
+
+
+def _choose_populate(requested: str, fd_backed: bool) -> str:
+    """`auto` -> madvise where the kernel has MADV_POPULATE_WRITE, else the fallback."""
+    if requested != "auto":
+        if requested == "madvise" and not kernel.probe_madv_populate_write():
+            raise AllocationError(
+                "populate='madvise' needs MADV_POPULATE_WRITE (Linux 5.14+); this kernel "
+                "lacks it: use populate='auto'",
+                reason="invalid",
+            )
+        return requested
+    if kernel.probe_madv_populate_write():
+        return "madvise"
+    return "map_populate" if fd_backed else "touch"
+
+
+def create_region(
+    nbytes: int,
+    *,
+    kind: Kind,
+    pool: str,
+    options: RegionOptions,
+    on_unmapped: Callable[..., None] | None = None,
+    hugetlb_failed: bool = False,
+) -> tuple[Region, Any]:
+    """Map, size, seal, bind, populate and (optionally) pin `nbytes` of host memory.
+
+    Returns the Region and its buffer holder: build tensors over the holder with
+    `tensor_over`, and drop it; the Region keeps only weak references.
+    Every failure closes what it opened before raising: no fd, mapping or pin is left.
+    `on_unmapped(region_id)` is called once, from a finalizer, when the mapping is gone; it must not
+    reference the Region and must not take locks.
+    """
+    b = _Builder()
+    try:
+        return _create(b, nbytes, kind, pool, options, on_unmapped, hugetlb_failed)
+    except BaseException as exc:
+        b.abort()
+        if isinstance(exc, OSError):
+            raise populate.failure_from_oserror(exc, f"allocating {nbytes} bytes", nbytes) from exc
+        raise
+
+
+def _create(
+    b: _Builder,
+    nbytes: int,
+    kind: Kind,
+    pool: str,
+    options: RegionOptions,
+    on_unmapped: Callable[..., None] | None,
+    hugetlb_failed: bool,
+) -> tuple[Region, Any]:
+    backend = {"shm": "memfd", "mmap": "anon", "torch": "torch"}[kind]
+    if kind == "shm" and options.shm_backend == "devshm":
+        backend = "devshm"
+    plan = plan_hugepages(kind, backend, nbytes, options, hugetlb_failed=hugetlb_failed)
+    page_size = plan.hugetlb_size or syscalls.PAGE_SIZE
+    fallbacks = plan.fallbacks
+    name: str | None = None
+    seals = 0
+    dev_ino: tuple[int, int] | None = None
+    if kind == "torch":
+        return _create_torch(b, nbytes, pool, options, plan, on_unmapped)
+
+    populate_mode = _choose_populate(options.populate, fd_backed=kind == "shm")
+    mapped = _round_up(nbytes, page_size)
+    map_flags = mmap.MAP_SHARED if kind == "shm" else mmap.MAP_PRIVATE
+    if populate_mode == "map_populate":
+        map_flags |= syscalls.MAP_POPULATE
+
+    if kind == "shm":
+        shm_file, backend = _open_shm(pool, options, plan.hugetlb_size)
+        b.fd = shm_file.fd
+        name = shm_file.name
+        if backend == "devshm" and plan.hugetlb_size is not None:
+            raise AssertionError("unreachable: hugetlb planned on devshm")
+        seals = shm.size_and_seal(shm_file, mapped, seal=options.seal)
+        st = os.fstat(b.fd)
+        dev_ino = (st.st_dev, st.st_ino)
+        if populate_mode in ("map_populate", "touch"):
+            # tmpfs and hugetlbfs back the whole file now: ENOSPC/ENOMEM here is clean,
+            # where a touch past the space would be a SIGBUS.
+            populate.fallocate_all(b.fd, mapped)
+        try:
+            b.mm = RegionMapping(b.fd, mapped, flags=map_flags)
+        except OSError as exc:
+            if plan.hugetlb_size is None or exc.errno != errno.ENOMEM:
+                raise
+            if options.hugepages == "required":
+                pool_now = kernel.hugepage_pool(plan.hugetlb_size)
+                raise HugepageUnavailableError(
+                    required_message(plan.hugetlb_size, mapped // plan.hugetlb_size, pool_now)
+                ) from exc
+            # prefer: the pool (or a hugetlb cgroup limit) was short at mmap time.
+            b.abort()
+            return _retry_without_hugetlb(nbytes, kind, pool, options, on_unmapped)
+    else:
+        flags = map_flags
+        if plan.hugetlb_size is not None:
+            flags |= syscalls.MAP_HUGETLB | (
+                (plan.hugetlb_size.bit_length() - 1) << syscalls.MAP_HUGE_SHIFT
+            )
+        try:
+            b.mm = RegionMapping(-1, mapped, flags=flags)
+        except OSError as exc:
+            if plan.hugetlb_size is None or exc.errno != errno.ENOMEM:
+                raise
+            if options.hugepages == "required":
+                raise HugepageUnavailableError(
+                    required_message(
+                        plan.hugetlb_size,
+                        mapped // plan.hugetlb_size,
+                        kernel.hugepage_pool(plan.hugetlb_size),
+                    )
+                ) from exc
+            b.abort()
+            return _retry_without_hugetlb(nbytes, kind, pool, options, on_unmapped)
+
+    holder_type = _holder_type(mapped)
+    b.holder = holder_type.from_buffer(b.mm)
+    address = ctypes.addressof(b.holder)
+    if kind == "mmap":
+        name = f"{options.name_prefix}{pool}.{os.getpid()}"
+        if not syscalls.name_anonymous_mapping(address, mapped, name):
+            name = None
+    if options.numa_node is not None:
+        syscalls.mbind(address, mapped, options.numa_node)  # before any page is faulted
+    if plan.thp:
+        syscalls.madvise(address, mapped, syscalls.MADV_HUGEPAGE)
+    t_pop = time.perf_counter()
+    used = _populate(b, populate_mode, address, mapped, page_size, options)
+    populate_seconds = time.perf_counter() - t_pop
+    if options.pin:
+        b.chunks = _pin(address, mapped, options, page_size)
+
+    fd_box = [b.fd] if b.fd is not None else []
+    region = Region(
+        id=_next_region_id(),
+        pool=pool,
+        kind=kind,
+        backend=backend,
+        name=name,
+        requested_bytes=nbytes,
+        mapped_bytes=mapped,
+        page_size=page_size,
+        address=address,
+        populate_mode=used,
+        populate_seconds=populate_seconds,
+        hugepage_fallbacks=fallbacks,
+        thp_advised=plan.thp,
+        seals=seals,
+        numa_node=options.numa_node,
+        dev_ino=dev_ino,
+        pinned_chunks=b.chunks,
+        _fd_box=fd_box,
+        _mm_ref=weakref.ref(b.mm),
+        _holder_ref=weakref.ref(b.holder),
+    )
+    on_views_gone = weakref.finalize(b.holder, _views_gone, b.chunks, None, region.id)
+    on_gone = weakref.finalize(b.mm, _mapping_gone, fd_box, on_unmapped, region.id)
+    b.mm._on_close = (fd_box, on_unmapped, region.id)
+    for fin in (on_views_gone, on_gone):
+        fin.atexit = False
+    region._finalizers = [on_views_gone, on_gone]
+    holder = b.holder
+    # Ownership passes to the holder: drop the builder's strong references.
+    b.fd = None
+    b.mm = None
+    b.holder = None
+    b.chunks = []
+    return region, holder
+
+
+def _retry_without_hugetlb(
+    nbytes: int,
+    kind: Kind,
+    pool: str,
+    options: RegionOptions,
+    on_unmapped: Callable[..., None] | None,
+) -> tuple[Region, Any]:
+    """`prefer` after hugetlb mmap failed with ENOMEM (a race, or a hugetlb cgroup limit)."""
+    return create_region(
+        nbytes,
+        kind=kind,
+        pool=pool,
+        options=options,
+        on_unmapped=on_unmapped,
+        hugetlb_failed=True,
+    )
+
+
+def _create_torch(
+    b: _Builder,
+    nbytes: int,
+    pool: str,
+    options: RegionOptions,
+    plan: HugepagePlan,
+    on_unmapped: Callable[..., None] | None,
+) -> tuple[Region, Any]:
+    import torch
+
+    mapped = max(nbytes, 1)
+    b.torch_tensor = torch.empty(mapped, dtype=torch.uint8)
+    address = int(b.torch_tensor.data_ptr())
+    holder = _holder_type(mapped).from_address(address)
+    holder._owner = b.torch_tensor  # type: ignore[attr-defined]  # keeps torch's storage alive
+    b.holder = holder
+    t_pop = time.perf_counter()
+    mode = options.populate
+    if mode == "auto":
+        mode = "touch"
+    if mode in ("touch", "madvise", "map_populate"):
+        # torch's memory is malloc'd: zero_() (multi-threaded) is the way to fault it in.
+        b.torch_tensor.zero_()
+        mode = "touch"
+    populate_seconds = time.perf_counter() - t_pop
+    if options.pin:
+        b.chunks = _pin(address, mapped, options, syscalls.PAGE_SIZE)
+    region = Region(
+        id=_next_region_id(),
+        pool=pool,
+        kind="torch",
+        backend="torch",
+        name=None,
+        requested_bytes=nbytes,
+        mapped_bytes=mapped,
+        page_size=syscalls.PAGE_SIZE,
+        address=address,
+        populate_mode=mode,
+        populate_seconds=populate_seconds,
+        hugepage_fallbacks=plan.fallbacks,
+        thp_advised=False,
+        seals=0,
+        numa_node=None,
+        dev_ino=None,
+        pinned_chunks=b.chunks,
+        _holder_ref=weakref.ref(holder),
+    )
+    fin = weakref.finalize(holder, _views_gone, b.chunks, on_unmapped, region.id)
+    fin.atexit = False
+    region._finalizers = [fin]
+    b.torch_tensor = None
+    b.holder = None
+    b.chunks = []
+    return region, holder

@@ -1,0 +1,223 @@
+"""hostpool.procfs against real memfds, /dev/shm files, mappings and processes."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hostpool import procfs
+from hostpool.procfs import ShmName, classify_path, parse_name
+from tests import helpers
+
+PAGE = mmap.PAGESIZE
+KiB, MiB = 1 << 10, 1 << 20
+MFD_HUGETLB, MFD_HUGE_2MB = 0x4, 21 << 26
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("hostpool.kv.123.4", ShmName("hostpool.kv.123.4", "hostpool.", "kv", 123, 4)),
+        (  # the /dev/shm fallback adds a random suffix
+            "hostpool.kv_2-a.9.10.3f9ac1d2",
+            ShmName("hostpool.kv_2-a.9.10.3f9ac1d2", "hostpool.", "kv_2-a", 9, 10),
+        ),
+        (  # hostpool's sglang-compatible prefix
+            "sglang_host_pool_kv.55.0",
+            ShmName("sglang_host_pool_kv.55.0", "sglang_host_pool_", "kv", 55, 0),
+        ),
+        (  # sglang's own names carry no pool
+            "sglang_host_pool_" + "ab" * 16,
+            ShmName("sglang_host_pool_" + "ab" * 16, "sglang_host_pool_", "-"),
+        ),
+        ("sglang_host_pool_" + "cd" * 16 + ".mmap",
+         ShmName("sglang_host_pool_" + "cd" * 16 + ".mmap", "sglang_host_pool_", "-")),
+        ("hostpool.", ShmName("hostpool.", "hostpool.", "-")),
+        ("hostpool.a.b.c", ShmName("hostpool.a.b.c", "hostpool.", "-")),
+        ("hostpoolX.kv.1.2", None),
+        ("other.kv.1.2", None),
+    ],
+)  # fmt: skip
+def test_parse_name(name: str, expected: ShmName | None) -> None:
+    assert parse_name(name) == expected
+
+
+def test_a_narrower_prefix_selects_but_the_pool_still_parses() -> None:
+    assert parse_name("hostpool.kv.1.2", ("hostpool.", "hostpool.kv")) == ShmName(
+        "hostpool.kv.1.2", "hostpool.kv", "kv", 1, 2
+    )
+    assert parse_name("hostpool.idx.1.2", ("hostpool.kv",)) is None
+    assert parse_name("myapp_kv.1.2", ("myapp_",)) == ShmName("myapp_kv.1.2", "myapp_", "kv", 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/memfd:hostpool.kv.1.2 (deleted)", ("memfd", "hostpool.kv.1.2")),
+        ("/memfd:name with spaces (deleted)", ("memfd", "name with spaces")),
+        ("/dev/shm/hostpool.kv.1.2.ab12 (deleted)", ("file", "hostpool.kv.1.2.ab12")),
+        ("/dev/shm/sglang_host_pool_ab.mmap", ("file", "sglang_host_pool_ab.mmap")),
+        ("/mnt/fallback/hostpool.kv.1.2.ab (deleted)", ("file", "hostpool.kv.1.2.ab")),
+        ("[anon:hostpool.kv.1.2]", ("anon", "hostpool.kv.1.2")),
+        ("[anon_shmem:hostpool.kv.1.2]", ("anon", "hostpool.kv.1.2")),
+        ("/usr/lib/libc.so.6", None),
+        ("[heap]", None),
+        ("socket:[1234]", None),
+    ],
+)
+def test_classify_path(path: str, expected: tuple[str, str] | None) -> None:
+    assert classify_path(path) == expected
+
+
+@pytest.fixture
+def memfd() -> Iterator[tuple[str, int]]:
+    name = f"hostpool.pfs.{os.getpid()}.{secrets.randbelow(1 << 30)}"
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.ftruncate(fd, MiB)
+    yield name, fd
+    os.close(fd)
+
+
+def test_fds_of_self_identify_memfds_and_devshm_files(memfd: tuple[str, int]) -> None:
+    name, fd = memfd
+    os.pwrite(fd, b"x" * (3 * PAGE), 0)
+    shm_name = f"hostpool.pfs.{os.getpid()}.0.{secrets.token_hex(4)}"
+    path = f"/dev/shm/{shm_name}"
+    file_fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    os.unlink(path)
+    try:
+        os.ftruncate(file_fd, 8 * KiB)
+        found = {f.fd: f for f in procfs.shm_fds("self") if f.name.pool == "pfs"}
+        assert set(found) == {fd, file_fd}
+        st = os.fstat(fd)
+        got = found[fd]
+        assert (got.kind, got.name.name, got.target) == ("memfd", name, f"/memfd:{name} (deleted)")
+        assert (got.dev, got.ino, got.size) == (st.st_dev, st.st_ino, MiB)
+        assert got.allocated_bytes == 3 * PAGE
+        assert (found[file_fd].kind, found[file_fd].name.name) == ("file", shm_name)
+        assert found[file_fd].ino == os.fstat(file_fd).st_ino
+        assert procfs.shm_fds("self", ("hostpool.zzz",)) == []
+    finally:
+        os.close(file_fd)
+
+
+def test_mappings_with_usage_match_the_kernels_residency(memfd: tuple[str, int]) -> None:
+    name, fd = memfd
+    with mmap.mmap(fd, MiB) as mm:
+        for off in range(0, 5 * PAGE, PAGE):
+            mm[off] = 1
+        view = ctypes.c_char.from_buffer(mm)
+        address = ctypes.addressof(view)
+        del view  # a live buffer export would stop mm.close()
+        (plain,) = [m for m in procfs.shm_mappings("self") if m.name.name == name]
+        (used,) = [m for m in procfs.shm_mappings("self", usage=True) if m.name.name == name]
+        assert helpers.mincore_resident(address, MiB) == 5 * PAGE
+    st = os.fstat(fd)
+    assert (plain.start, plain.size, plain.offset, plain.kind) == (address, MiB, 0, "memfd")
+    assert (plain.dev, plain.ino, plain.usage) == (st.st_dev, st.st_ino, None)
+    assert used.usage is not None
+    assert used.usage.rss == used.usage.resident_bytes == 5 * PAGE
+    assert used.usage.kernel_page_size == PAGE
+
+
+def test_one_mmap_split_into_vmas_is_one_mapping(memfd: tuple[str, int]) -> None:
+    name, fd = memfd
+    mm = mmap.mmap(fd, MiB)
+    try:
+        mm.madvise(mmap.MADV_DONTFORK, 0, 4 * PAGE)  # new VM flags: the VMA splits
+        mm2 = mmap.mmap(fd, MiB)  # a second, separate mapping
+        try:
+            process = procfs.read_process("self", (name,))
+            assert len(process.mappings) == 3
+            (obj,) = procfs.group_objects(process)
+            assert sorted(len(m) for m in obj.mappings) == [1, 2]
+            assert obj.mapped_bytes == 2 * MiB
+            kinds = [f.kind for f in procfs.findings([obj])]
+            assert kinds == ["mapped_twice"]
+        finally:
+            mm2.close()
+    finally:
+        mm.close()
+
+
+def test_hugetlb_pages_count_as_resident(hugepages_2m: int) -> None:
+    size = 2 * MiB
+    name = f"hostpool.huge.{os.getpid()}.0"
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | MFD_HUGETLB | MFD_HUGE_2MB)
+    try:
+        os.ftruncate(fd, size)
+        with mmap.mmap(fd, size) as mm:
+            mm[0] = 1
+            (m,) = [m for m in procfs.shm_mappings("self", usage=True) if m.name.name == name]
+            assert m.usage is not None
+            assert m.usage.rss == 0  # hugetlb pages are not in Rss
+            assert m.usage.resident_bytes == size
+            assert m.usage.kernel_page_size == size
+    finally:
+        os.close(fd)
+
+
+def test_missing_and_forbidden_processes_raise_distinct_errors(root: None) -> None:
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    with pytest.raises(procfs.ProcessNotFoundError):
+        procfs.read_process(pid_max + 1)
+    with pytest.raises(procfs.ProcessNotFoundError):
+        procfs.check_readable(pid_max + 1)
+
+    def read_pid1() -> str:
+        for attempt in (lambda: procfs.shm_fds(1), lambda: procfs.shm_mappings(1)):
+            try:
+                attempt()
+            except procfs.ProcessAccessError as exc:
+                assert isinstance(exc, PermissionError) and exc.pid == 1
+                continue
+            return "read without permission"
+        try:
+            procfs.check_readable(1)
+        except procfs.ProcessAccessError as exc:
+            return str(exc)
+        return "check_readable passed"
+
+    import psutil  # noqa: F401  (loaded before the fork: uid 65534 cannot read /root)
+
+    code, text = helpers.run_forked(read_pid1, uid=65534)
+    assert code == 0, text
+    assert text.startswith("permission denied reading /proc/1/fd (it runs as uid 0"), text
+
+
+def test_scan_finds_other_processes_by_prefix() -> None:
+    prefix = f"hostpool.scan{secrets.token_hex(4)}"
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         f"import os, sys; fd = os.memfd_create('{prefix}.1.2'); print(fd, flush=True); "
+         "sys.stdin.readline()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        fd = int(child.stdout.readline())
+        result = procfs.scan((prefix,))
+        assert [(p.pid, [f.fd for f in p.fds]) for p in result.processes] == [(child.pid, [fd])]
+        (f,) = result.processes[0].fds
+        assert (f.name.prefix, f.name.pool) == (prefix, prefix.removeprefix("hostpool."))
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_maps_lines_of_named_anonymous_regions_parse() -> None:
+    """The kernel here lacks CONFIG_ANON_VMA_NAME, so parse lines as they appear elsewhere."""
+    anon = procfs.parse_maps_line(
+        "7f0000000000-7f0000200000 rw-p 00000000 00:00 0    [anon:hostpool.kv.12.3]"
+    )
+    assert anon is not None
+    assert (anon.kind, anon.name.pool, anon.size, anon.ino) == ("anon", "kv", 2 * MiB, 0)
+    assert procfs.parse_maps_line("7f00-7f01 r--p 00000000 fe:00 29775  /usr/lib/x.so") is None
