@@ -1,0 +1,1 @@
+"""Benchmarks: each script writes bench/results/<name>.json; report.py renders them."""

@@ -1,0 +1,153 @@
+"""Helpers shared by the benchmarks: sizes, machine facts, residency checks, result files.
+
+Imports nothing heavy (no torch), so `bench/report.py` can use it too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import datetime as dt
+import json
+import os
+import platform
+import re
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+RESULTS_DIR = BENCH_DIR / "results"
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+_UNITS = {"": 1, "b": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.mincore.restype = ctypes.c_int
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def parse_size(text: str) -> int:
+    """'1GiB', '4G', '64MiB', '512m', '1048576' -> bytes (binary units)."""
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (use e.g. 64MiB, 1GiB, 4G or bytes)")
+    number, unit = match.groups()
+    value = float(number) * _UNITS[unit.lower()]
+    if value <= 0 or value != int(value):
+        raise ValueError(f"size must be a positive whole number of bytes: {text!r}")
+    return int(value)
+
+
+def format_size(nbytes: int) -> str:
+    """Bytes -> '4 GiB', '64 MiB', '1.5 GiB' (binary units)."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:g} {unit}" if value == int(value) else f"{value:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes (HugePages_* counts stay counts)."""
+    out: dict[str, int] = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if not parts:
+                continue
+            value = int(parts[0])
+            out[key] = value * KiB if len(parts) > 1 and parts[1] == "kB" else value
+    return out
+
+
+def read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def loadavg() -> list[float]:
+    text = read_text("/proc/loadavg") or "0 0 0"
+    return [float(x) for x in text.split()[:3]]
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_model() -> str | None:
+    text = read_text("/proc/cpuinfo") or ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return None
+
+
+def machine_facts() -> dict[str, Any]:
+    """What a reader needs to judge the numbers; no torch import (versions from metadata)."""
+    mem = meminfo()
+    return {
+        "kernel": platform.release(),
+        "machine": platform.machine(),
+        "cpu_model": cpu_model(),
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "mem_total_bytes": mem.get("MemTotal"),
+        "mem_available_bytes": mem.get("MemAvailable"),
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "torch": package_version("torch"),
+        "hostpool": package_version("hostpool"),
+        "thp_enabled": read_text("/sys/kernel/mm/transparent_hugepage/enabled"),
+        "thp_shmem_enabled": read_text("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),
+        "loadavg": loadavg(),
+    }
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def resident_bytes(address: int, length: int) -> int:
+    """Bytes of [address, address+length) resident now, by mincore (~5 ms for 4 GiB).
+
+    The range is widened to whole base pages; each vector byte covers one base page, also
+    for hugetlb mappings.
+    """
+    start = address - address % PAGE
+    end = address + length
+    pages = -(-(end - start) // PAGE)
+    vec = (ctypes.c_ubyte * pages)()
+    if _libc.mincore(start, pages * PAGE, vec) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mincore: {os.strerror(err)}")
+    absent = bytes(vec).count(0)  # only bit 0 is defined; the rest are zero
+    return min(length, (pages - absent) * PAGE)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write atomically (a reader never sees half a file), pretty and newline-terminated."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data

@@ -1,0 +1,699 @@
+"""Allocate-and-populate throughput: hostpool's shm allocator against what servers do today.
+
+For each size (default 1 GiB and 4 GiB) and each of `--runs` rounds, every variant runs in
+a fresh process (`python bench/populate.py --one VARIANT --bytes N`, which prints one JSON
+line), in an order rotated each round so drift and neighbours' load hit all variants
+alike. Only allocate + populate (+ the tensor over it) is timed, not interpreter or torch
+import; afterwards the child checks that every byte is resident (`fstat().st_blocks` for
+fd-backed regions, `mincore` for all), so nothing lazy passes for fast.
+
+Variants:
+  hostpool_shm               ShmHostTensorAllocator(populate="auto"): memfd, sealed,
+                             MADV_POPULATE_WRITE split over threads (libc, GIL released)
+  hostpool_shm_2mb           the same with hugepages="required", hugepage_size="2MB"
+  sglang_memfd_map_populate  sglang today: memfd_create(MFD_CLOEXEC), ftruncate,
+                             mmap(MAP_SHARED|MAP_POPULATE), mm.madvise(MADV_POPULATE_WRITE),
+                             torch.frombuffer
+  vllm_devshm_madvise        a /dev/shm file (O_CREAT|O_EXCL, unlinked), ftruncate, mmap
+                             shared, mm.madvise(MADV_POPULATE_WRITE)
+  anon_mmap_madvise          anonymous shared mmap + mm.madvise(MADV_POPULATE_WRITE)
+  torch_empty_zero           torch.empty(n, dtype=torch.uint8).zero_()  (the baseline)
+
+2 MiB hugepages are reserved once for the whole run through /proc/sys/vm/nr_hugepages
+(restored afterwards), then warmed by one discarded run: freshly reserved pages are cold.
+Writes bench/results/populate.json; `bench/report.py` turns it into tables and a chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import mmap
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import (
+    RESULTS_DIR,
+    GiB,
+    MiB,
+    format_size,
+    loadavg,
+    machine_facts,
+    meminfo,
+    parse_size,
+    read_text,
+    resident_bytes,
+    utc_now,
+    write_json,
+)
+
+RESULTS = RESULTS_DIR / "populate.json"
+MADV_POPULATE_WRITE = 23
+HUGEPAGE_2MB = 2 * MiB
+HUGEPAGE_SLACK = 64  # pages beyond the largest size: the pool may hold a page or two
+CHILD_TIMEOUT_S = 600.0
+PREWARM_MARGIN = 64 * MiB
+BASELINE = "torch_empty_zero"
+
+VARIANTS: dict[str, str] = {
+    "hostpool_shm": 'hostpool ShmHostTensorAllocator(populate="auto", hugepages="off")',
+    "hostpool_shm_2mb": (
+        'hostpool ShmHostTensorAllocator(populate="auto", hugepages="required", '
+        'hugepage_size="2MB")'
+    ),
+    "sglang_memfd_map_populate": (
+        "memfd_create(MFD_CLOEXEC) + ftruncate + mmap(MAP_SHARED|MAP_POPULATE) "
+        "+ mm.madvise(MADV_POPULATE_WRITE) + torch.frombuffer (sglang today)"
+    ),
+    "vllm_devshm_madvise": (
+        "/dev/shm file (O_CREAT|O_EXCL, unlinked) + ftruncate + mmap(MAP_SHARED) "
+        "+ mm.madvise(MADV_POPULATE_WRITE) + torch.frombuffer"
+    ),
+    "anon_mmap_madvise": (
+        "mmap(-1, MAP_SHARED|MAP_ANONYMOUS) + mm.madvise(MADV_POPULATE_WRITE) + torch.frombuffer"
+    ),
+    "torch_empty_zero": "torch.empty(n, dtype=torch.uint8).zero_()",
+}
+HUGEPAGE_VARIANTS = frozenset({"hostpool_shm_2mb"})
+PAGES_HELP = {
+    "warm": "each child faults in and frees n bytes of anonymous memory (untimed) just "
+    "before timing, so every variant gets host-backed pages from the free lists",
+    "natural": "no pre-fault: pages are as the previous child and free page reporting "
+    "left them (on this VM unbacked pages fault ~8x slower; order-dependent)",
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """`variant` must be at least `min_ratio` times as fast as `versus` (same run's medians)."""
+
+    id: str
+    kind: str  # "required" or "aim"
+    variant: str
+    versus: str
+    min_ratio: float
+    size_bytes: int | None  # None: at every measured size
+    text: str
+
+
+TARGETS = (
+    Target(
+        "shm_vs_sglang_4gib",
+        "required",
+        "hostpool_shm",
+        "sglang_memfd_map_populate",
+        1.5,
+        4 * GiB,
+        "hostpool shm >= 1.5x sglang-style memfd + MAP_POPULATE + madvise at 4 GiB",
+    ),
+    Target(
+        "shm_vs_torch",
+        "aim",
+        "hostpool_shm",
+        BASELINE,
+        0.8,
+        None,
+        "hostpool shm >= 0.8x torch.empty().zero_() (aim)",
+    ),
+    Target(
+        "hugepages_vs_torch",
+        "required",
+        "hostpool_shm_2mb",
+        BASELINE,
+        4.0,
+        None,
+        "hostpool shm with 2 MiB hugepages >= 4x torch.empty().zero_()",
+    ),
+)
+
+
+# ---------------------------------------------------------------------------------------
+# Child: one variant, one size, one fresh process.
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Made:
+    """What a variant built: the tensor, how to check residency, how to tear it down."""
+
+    tensor: Any
+    address: int
+    fd: int | None
+    teardown: Callable[[], None]
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _frombuffer(mm: mmap.mmap, n: int) -> Any:
+    import torch
+
+    return torch.frombuffer(mm, dtype=torch.uint8, count=n)
+
+
+def _close_mapping(holder: dict[str, Any], fd: int | None) -> Callable[[], None]:
+    def teardown() -> None:
+        holder.pop("tensor", None)
+        mm = holder.pop("mm", None)
+        if mm is not None:
+            mm.close()
+        if fd is not None:
+            os.close(fd)
+
+    return teardown
+
+
+def make_sglang(n: int) -> Made:
+    fd = os.memfd_create(f"bench_sglang_{os.getpid()}", os.MFD_CLOEXEC)
+    os.ftruncate(fd, n)
+    mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    mm.madvise(MADV_POPULATE_WRITE)
+    tensor = _frombuffer(mm, n)
+    holder = {"mm": mm}
+    return Made(tensor, tensor.data_ptr(), fd, _close_mapping(holder, fd))
+
+
+def make_vllm(n: int) -> Made:
+    path = f"/dev/shm/bench_vllm_{os.getpid()}_{secrets.token_hex(4)}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    os.unlink(path)
+    os.ftruncate(fd, n)
+    mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED)
+    mm.madvise(MADV_POPULATE_WRITE)
+    tensor = _frombuffer(mm, n)
+    holder = {"mm": mm}
+    return Made(tensor, tensor.data_ptr(), fd, _close_mapping(holder, fd))
+
+
+def make_anon(n: int) -> Made:
+    mm = mmap.mmap(-1, n, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    mm.madvise(MADV_POPULATE_WRITE)
+    tensor = _frombuffer(mm, n)
+    holder = {"mm": mm}
+    return Made(tensor, tensor.data_ptr(), None, _close_mapping(holder, None))
+
+
+def make_torch(n: int) -> Made:
+    import torch
+
+    tensor = torch.empty(n, dtype=torch.uint8).zero_()
+    return Made(tensor, tensor.data_ptr(), None, lambda: None)
+
+
+def make_hostpool(n: int) -> Made:
+    import torch
+
+    alloc = _PREPARED["allocator"]
+    tensor = alloc.allocate((n,), torch.uint8)
+    region = alloc.regions[-1]
+    # Teardown runs after the tensor is dropped (that unmaps it); close() must not keep
+    # a reference to the tensor, or the unmap would wait for the closure.
+    details = {
+        "backend": region.backend,
+        "page_size": region.page_size,
+        "mapped_bytes": region.mapped_bytes,
+        "populate_mode": region.populate_mode,
+        "populate_seconds": region.populate_seconds,
+        "populate_threads": alloc.options.effective_populate_threads(),
+        "hugepage_fallbacks": list(region.hugepage_fallbacks),
+        "seals": region.seals,
+    }
+    return Made(tensor, tensor.data_ptr(), region.fd, alloc.close, details)
+
+
+# Untimed set-up for a variant: imports, allocator construction.
+_PREPARED: dict[str, Any] = {}
+
+
+def _prepare_hostpool(**options: Any) -> Callable[[], None]:
+    def prepare() -> None:
+        from hostpool import ShmHostTensorAllocator
+
+        _PREPARED["allocator"] = ShmHostTensorAllocator(pool="bench", **options)
+
+    return prepare
+
+
+def _prepare_torch() -> None:
+    import torch
+
+    torch.empty(1, dtype=torch.uint8).zero_()  # load the library, not allocate for it
+
+
+HOSTPOOL_SHM = {"populate": "auto", "hugepages": "off"}
+HOSTPOOL_SHM_2MB = {"populate": "auto", "hugepages": "required", "hugepage_size": "2MB"}
+MAKERS: dict[str, tuple[Callable[[], None], Callable[[int], Made]]] = {
+    "hostpool_shm": (_prepare_hostpool(**HOSTPOOL_SHM), make_hostpool),
+    "hostpool_shm_2mb": (_prepare_hostpool(**HOSTPOOL_SHM_2MB), make_hostpool),
+    "sglang_memfd_map_populate": (_prepare_torch, make_sglang),
+    "vllm_devshm_madvise": (_prepare_torch, make_vllm),
+    "anon_mmap_madvise": (_prepare_torch, make_anon),
+    "torch_empty_zero": (_prepare_torch, make_torch),
+}
+
+
+def prewarm(n: int) -> float:
+    """Fault n bytes of anonymous memory in and free them again (untimed).
+
+    On this VM a guest page the host has not backed yet (never touched, or handed back by
+    free page reporting seconds after it was freed) costs ~8x more to fault than one it
+    has; which kind a child gets depends on what ran before it. Faulting and freeing
+    just before timing hands every variant host-backed pages from the free lists, so the
+    timings compare what the allocators do, not the page history.
+    """
+    t0 = time.perf_counter()
+    mm = mmap.mmap(-1, n + PREWARM_MARGIN, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mm.madvise(MADV_POPULATE_WRITE)
+    mm.close()
+    return time.perf_counter() - t0
+
+
+def run_one(variant: str, n: int, pages: str) -> dict[str, Any]:
+    prepare, make = MAKERS[variant]
+    prepare()
+    prewarm_seconds = prewarm(n) if pages == "warm" else None
+    t0 = time.perf_counter()
+    made = make(n)
+    seconds = time.perf_counter() - t0
+
+    # Not timed: prove every byte is there.
+    checks: dict[str, int] = {"mincore": resident_bytes(made.address, n)}
+    if made.fd is not None:
+        checks["st_blocks"] = os.fstat(made.fd).st_blocks * 512
+    resident = min(checks.values())
+    if resident < n:
+        raise RuntimeError(f"{variant}: only {resident} of {n} bytes resident after populate")
+
+    t1 = time.perf_counter()
+    del made.tensor
+    made.teardown()
+    teardown_seconds = time.perf_counter() - t1
+    return {
+        "variant": variant,
+        "bytes": n,
+        "seconds": seconds,
+        "resident_bytes": resident,
+        "residency_checks": checks,
+        "teardown_seconds": teardown_seconds,
+        "pages": pages,
+        "prewarm_seconds": prewarm_seconds,
+        "details": made.details,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Parent: hugepage reservation, interleaved fresh-process runs, statistics, targets.
+# ---------------------------------------------------------------------------------------
+def hugepage_count_path() -> str:
+    """/proc/sys/vm/nr_hugepages when 2 MiB is the default hugepage size, else sysfs."""
+    if meminfo().get("Hugepagesize") == HUGEPAGE_2MB:
+        return "/proc/sys/vm/nr_hugepages"
+    return "/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages"
+
+
+def hugepages_free_2mb() -> int:
+    base = "/sys/kernel/mm/hugepages/hugepages-2048kB"
+    free = int(read_text(f"{base}/free_hugepages") or 0)
+    reserved = int(read_text(f"{base}/resv_hugepages") or 0)
+    return free - reserved
+
+
+class HugepageReservation:
+    """Reserve enough 2 MiB pages for the whole run; always give the old count back."""
+
+    def __init__(self, largest: int) -> None:
+        self.path = hugepage_count_path()
+        self.needed = -(-largest // HUGEPAGE_2MB)
+        self.old: int | None = None
+        self.written: int | None = None
+        self.facts: dict[str, Any] = {"path": self.path, "needed_pages": self.needed}
+
+    def _write(self, count: int) -> int:
+        with open(self.path, "w") as f:
+            f.write(f"{count}\n")
+        self.written = int(read_text(self.path) or 0)
+        return self.written
+
+    def reserve(self) -> str | None:
+        """None when reserved, else why not (the hugepage variants are then skipped)."""
+        text = read_text(self.path)
+        if text is None:
+            return f"{self.path} is not readable: this kernel has no 2 MiB hugetlb pool"
+        self.old = int(text)
+        self.facts["old_pages"] = self.old
+        free = hugepages_free_2mb()
+        in_use = self.old - free
+        want = max(self.old, in_use + self.needed + HUGEPAGE_SLACK)
+        self.facts["requested_pages"] = want
+        try:
+            got = self._write(want) if want != self.old else self.old
+        except OSError as exc:
+            self.old = None  # nothing changed: nothing to restore
+            return f"cannot write {self.path} ({exc.strerror}); run as root to reserve"
+        self.facts["reserved_pages"] = got
+        self.facts["free_pages"] = hugepages_free_2mb()
+        if self.facts["free_pages"] < self.needed:
+            return (
+                f"asked for {want} pages of 2 MiB, the kernel reserved {got} "
+                f"({self.facts['free_pages']} free, {self.needed} needed): memory is too "
+                "fragmented or short"
+            )
+        return None
+
+    def top_up(self) -> None:
+        """Others (tests run alongside) may shrink the pool between our runs: re-assert it."""
+        if self.old is None or hugepages_free_2mb() >= self.needed:
+            return
+        current = int(read_text(self.path) or 0)
+        with contextlib.suppress(OSError):
+            got = self._write(current + self.needed - hugepages_free_2mb() + HUGEPAGE_SLACK)
+            self.facts.setdefault("top_ups", []).append({"from": current, "to": got})
+
+    def restore(self) -> None:
+        """Put the old count back, unless someone else has set another since our write
+        (then theirs stands: overwriting it could pull pages from under their test)."""
+        if self.old is None:
+            return
+        current = int(read_text(self.path) or 0)
+        if self.written is not None and current != self.written:
+            self.facts["restore_skipped"] = f"count is {current}, set by someone else since"
+        else:
+            try:
+                self.facts["restored_pages"] = self._write(self.old)
+            except OSError as exc:
+                self.facts["restore_error"] = str(exc)
+        self.old = None
+
+
+def spawn(variant: str, n: int, pages: str) -> dict[str, Any]:
+    """Run one sample in a fresh interpreter; never raises for the child's failures."""
+    script = str(Path(__file__).resolve())
+    cmd = [sys.executable, script, "--one", variant, "--bytes", str(n), "--pages", pages]
+    load = loadavg()
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"variant": variant, "bytes": n, "error": f"timed out after {CHILD_TIMEOUT_S} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {
+            "variant": variant,
+            "bytes": n,
+            "error": f"exit {proc.returncode}: " + " | ".join(tail),
+        }
+    sample: dict[str, Any] = json.loads(lines[-1])
+    sample["loadavg_before"] = load
+    return sample
+
+
+def gib_per_s(n: int, seconds: float | None) -> float | None:
+    return n / GiB / seconds if seconds else None
+
+
+def summarise(
+    sizes: list[int], samples: list[dict[str, Any]], skipped: dict[str, str]
+) -> list[dict[str, Any]]:
+    out = []
+    for n in sizes:
+        by_variant: dict[str, dict[str, Any]] = {}
+        base = {s["run"]: s["seconds"] for s in samples if _ok(s, BASELINE, n)}
+        base_median = statistics.median(base.values()) if base else None
+        for variant in VARIANTS:
+            if variant in skipped:
+                by_variant[variant] = {"status": "skipped", "reason": skipped[variant]}
+                continue
+            mine = [s for s in samples if s["variant"] == variant and s["bytes"] == n]
+            good = [s for s in mine if "error" not in s]
+            errors = [s["error"] for s in mine if "error" in s]
+            if not good:
+                by_variant[variant] = {
+                    "status": "error" if errors else "not_run",
+                    "errors": errors,
+                }
+                continue
+            seconds = [s["seconds"] for s in good]
+            median = statistics.median(seconds)
+            paired = [base[s["run"]] / s["seconds"] for s in good if s["run"] in base]
+            by_variant[variant] = {
+                "status": "ok",
+                "samples_s": seconds,
+                "median_s": median,
+                "min_s": min(seconds),
+                "max_s": max(seconds),
+                "gib_per_s": gib_per_s(n, median),
+                "ratio_to_torch": base_median / median if base_median else None,
+                "paired_ratio_to_torch_median": statistics.median(paired) if paired else None,
+                "teardown_median_s": statistics.median(s["teardown_seconds"] for s in good),
+                "errors": errors,
+            }
+        out.append({"size_bytes": n, "size": format_size(n), "variants": by_variant})
+    return out
+
+
+def _ok(sample: dict[str, Any], variant: str, n: int) -> bool:
+    return sample["variant"] == variant and sample["bytes"] == n and "error" not in sample
+
+
+def evaluate(target: Target, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pass/fail from the measured medians; None when the data needed is missing."""
+    rows = [r for r in results if target.size_bytes in (None, r["size_bytes"])]
+    checks = []
+    missing = []
+    for row in rows:
+        mine = row["variants"].get(target.variant, {})
+        other = row["variants"].get(target.versus, {})
+        if mine.get("status") != "ok" or other.get("status") != "ok":
+            why = mine.get("reason") or mine.get("status") or "not run"
+            missing.append(f"{row['size']}: {target.variant} {why}")
+            continue
+        ratio = other["median_s"] / mine["median_s"]
+        checks.append(
+            {"size_bytes": row["size_bytes"], "ratio": ratio, "ok": ratio >= target.min_ratio}
+        )
+    if not rows:
+        passed: bool | None = None
+        missing.append(f"{format_size(target.size_bytes or 0)} not measured in this run")
+    elif missing:
+        passed = False if any(not c["ok"] for c in checks) else None
+    else:
+        passed = all(c["ok"] for c in checks)
+    return {
+        "id": target.id,
+        "kind": target.kind,
+        "text": target.text,
+        "variant": target.variant,
+        "versus": target.versus,
+        "min_ratio": target.min_ratio,
+        "size_bytes": target.size_bytes,
+        "checks": checks,
+        "missing": missing,
+        "pass": passed,
+    }
+
+
+def print_table(data: dict[str, Any]) -> None:
+    print(
+        f"\npopulate: {data['machine']['kernel']}, {data['machine']['cpus']} cpus, "
+        f"{data['config']['runs']} run(s) per variant, fresh process each"
+    )
+    for row in data["results"]:
+        print(f"\n{row['size']}")
+        print(f"  {'variant':<27} {'median s':>9} {'GiB/s':>7} {'x torch':>8}  samples (s)")
+        for variant, r in row["variants"].items():
+            if r["status"] != "ok":
+                reason = r.get("reason") or "; ".join(r.get("errors", [])) or r["status"]
+                print(f"  {variant:<27} {r['status']}: {reason}")
+                continue
+            ratio = r["ratio_to_torch"]
+            samples = ", ".join(f"{s:.3f}" for s in r["samples_s"])
+            print(
+                f"  {variant:<27} {r['median_s']:>9.3f} {r['gib_per_s']:>7.2f} "
+                f"{(f'{ratio:.2f}x' if ratio else '-'):>8}  {samples}"
+            )
+    print("\ntargets")
+    for t in data["targets"]:
+        verdict = {True: "PASS", False: "FAIL", None: "n/a"}[t["pass"]]
+        ratios = ", ".join(
+            f"{format_size(c['size_bytes'])}: {c['ratio']:.2f}x" for c in t["checks"]
+        )
+        extra = "; ".join(t["missing"])
+        print(f"  [{verdict}] {t['text']}: " + "; ".join(filter(None, [ratios, extra])))
+
+
+@contextlib.contextmanager
+def terminate_cleanly() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so the hugepage count is always restored."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_all(
+    sizes: list[int], runs: int, variants: list[str], quick: bool, pages: str
+) -> dict[str, Any]:
+    started = utc_now()
+    machine = machine_facts()
+    samples: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    hugepages: dict[str, Any] = {"status": "not_requested"}
+    reservation: HugepageReservation | None = None
+    wanted_huge = [v for v in variants if v in HUGEPAGE_VARIANTS]
+
+    with terminate_cleanly():
+        try:
+            if wanted_huge:
+                reservation = HugepageReservation(max(sizes))
+                reason = reservation.reserve()
+                hugepages = reservation.facts
+                if reason is not None:
+                    hugepages["status"] = "skipped"
+                    hugepages["reason"] = reason
+                    skipped.update(dict.fromkeys(wanted_huge, reason))
+                    print(f"hugepages: skipped: {reason}", file=sys.stderr)
+                else:
+                    hugepages["status"] = "reserved"
+                    print(
+                        f"hugepages: {hugepages['reserved_pages']} x 2 MiB reserved "
+                        f"(was {hugepages['old_pages']}); warming up",
+                        file=sys.stderr,
+                    )
+                    warm = spawn(wanted_huge[0], max(sizes), pages)
+                    hugepages["warmup"] = warm
+                    if "error" in warm:
+                        print(f"  warm-up failed: {warm['error']}", file=sys.stderr)
+
+            active = [v for v in variants if v not in skipped]
+            for run in range(runs):
+                for k, n in enumerate(sizes):
+                    shift = (run + k) % len(active)
+                    order = active[shift:] + active[:shift]
+                    for position, variant in enumerate(order):
+                        if variant in HUGEPAGE_VARIANTS and reservation is not None:
+                            reservation.top_up()
+                        sample = spawn(variant, n, pages)
+                        sample.update(run=run, position=position)
+                        samples.append(sample)
+                        shown = (
+                            f"error: {sample['error']}"
+                            if "error" in sample
+                            else f"{sample['seconds']:.3f} s "
+                            f"({gib_per_s(n, sample['seconds']):.2f} GiB/s)"
+                        )
+                        print(
+                            f"run {run + 1}/{runs} {format_size(n):>7} {variant:<27} {shown}",
+                            file=sys.stderr,
+                        )
+        finally:
+            if reservation is not None:
+                reservation.restore()
+
+    results = summarise(sizes, samples, skipped)
+    data: dict[str, Any] = {
+        "benchmark": "populate",
+        "schema": 1,
+        "date": started,
+        "finished": utc_now(),
+        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
+        "config": {
+            "sizes_bytes": sizes,
+            "runs": runs,
+            "quick": quick,
+            "variants": variants,
+            "baseline": BASELINE,
+            "pages": pages,
+            "pages_meaning": PAGES_HELP[pages],
+            "interleaving": "per round and size, variant order rotated by (round + size index)",
+            "timed": "allocate + populate + tensor creation; no interpreter or import time",
+            "residency_check": "mincore over the tensor, plus fstat st_blocks for fd-backed",
+        },
+        "machine": machine,
+        "loadavg_end": loadavg(),
+        "variant_descriptions": {v: VARIANTS[v] for v in variants},
+        "hugepages": hugepages,
+        "samples": samples,
+        "results": results,
+        "targets": [evaluate(t, results) for t in TARGETS],
+    }
+    return data
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--sizes", default="1GiB,4GiB", help="comma-separated (default %(default)s)"
+    )
+    parser.add_argument("--runs", type=int, default=3, help="rounds per variant (default 3)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 64 MiB, 1 run")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated subset (default: all)"
+    )
+    parser.add_argument(
+        "--pages",
+        choices=list(PAGES_HELP),
+        default="warm",
+        help="page state before each sample (default %(default)s): "
+        + "; ".join(f"{k}: {v}" for k, v in PAGES_HELP.items()),
+    )
+    parser.add_argument("--output", type=Path, default=RESULTS, help="default %(default)s")
+    parser.add_argument("--one", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.one is not None:  # child mode
+        if not args.bytes or args.bytes <= 0:
+            parser.error("--one needs --bytes N > 0")
+        print(json.dumps(run_one(args.one, args.bytes, args.pages)), flush=True)
+        return 0
+
+    try:
+        sizes = [64 * MiB] if args.quick else [parse_size(s) for s in args.sizes.split(",")]
+    except ValueError as exc:
+        parser.error(str(exc))
+    runs = 1 if args.quick else args.runs
+    if runs < 1:
+        parser.error("--runs must be >= 1")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    need = max(sizes) * 2 + GiB
+    available = meminfo().get("MemAvailable", 0)
+    if available < need:
+        print(
+            f"warning: MemAvailable {format_size(available)} < {format_size(need)}: "
+            "populate may fail or swap",
+            file=sys.stderr,
+        )
+
+    data = run_all(sizes, runs, variants, args.quick, args.pages)
+    write_json(args.output, data)
+    print_table(data)
+    print(f"\nwrote {args.output}")
+    failed = [t for t in data["targets"] if t["pass"] is False and t["kind"] == "required"]
+    if failed:
+        print(f"{len(failed)} required target(s) failed", file=sys.stderr)
+    return 0  # a benchmark reports; it does not gate (`make bench` goes on to report.py)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""Turn bench/results/*.json into markdown tables, charts and the README's bench sections.
+
+Each benchmark has a renderer, `RENDERERS[name]`, that reads `bench/results/<name>.json`
+and returns markdown (and writes any charts next to the JSON). The markdown is printed
+and, where README.md has a region `<!-- bench:<name>:start -->` ... `<!-- bench:<name>:end
+-->`, written between the markers. Figures are never typed by hand: rerun the benchmark,
+then this script.
+
+Adding a benchmark's section:
+
+    @renderer("overhead")
+    def render_overhead(data: dict[str, Any], ctx: Context) -> str:
+        return "| ... |"   # markdown; write charts under ctx.results_dir
+
+No torch import: this runs anywhere the JSON is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import REPO_ROOT, RESULTS_DIR, format_size, read_json
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where a renderer reads and writes, and how to link a chart from the README."""
+
+    results_dir: Path
+    readme: Path | None
+    charts: bool
+
+    def link(self, path: Path) -> str:
+        """A path for a markdown link from the README (relative to its folder)."""
+        base = self.readme.parent if self.readme is not None else REPO_ROOT
+        try:
+            return path.resolve().relative_to(base.resolve()).as_posix()
+        except ValueError:
+            return path.resolve().as_posix()
+
+
+Renderer = Callable[[dict[str, Any], Context], str]
+RENDERERS: dict[str, Renderer] = {}
+
+
+def renderer(name: str) -> Callable[[Renderer], Renderer]:
+    """Register a renderer for bench/results/<name>.json (and README region <name>)."""
+
+    def register(fn: Renderer) -> Renderer:
+        RENDERERS[name] = fn
+        return fn
+
+    return register
+
+
+# ---------------------------------------------------------------------------------------
+# populate
+# ---------------------------------------------------------------------------------------
+POPULATE_LABELS = {
+    "hostpool_shm": "hostpool shm (memfd, threaded MADV_POPULATE_WRITE)",
+    "hostpool_shm_2mb": "hostpool shm, 2 MiB hugepages",
+    "sglang_memfd_map_populate": "sglang today (memfd, MAP_POPULATE + madvise)",
+    "vllm_devshm_madvise": "vLLM-style /dev/shm file + madvise",
+    "anon_mmap_madvise": "anonymous shared mmap + madvise",
+    "torch_empty_zero": "`torch.empty().zero_()` (baseline)",
+}
+POPULATE_SHORT = {
+    "hostpool_shm": "hostpool shm",
+    "hostpool_shm_2mb": "hostpool shm 2 MiB",
+    "sglang_memfd_map_populate": "sglang memfd",
+    "vllm_devshm_madvise": "vLLM /dev/shm",
+    "anon_mmap_madvise": "anon mmap",
+    "torch_empty_zero": "torch zero_",
+}
+VERDICT = {True: "pass", False: "**fail**", None: "not measured"}
+
+
+def _machine_line(data: dict[str, Any]) -> str:
+    m = data.get("machine", {})
+    mem = m.get("mem_total_bytes")
+    parts = [
+        f"Linux {m.get('kernel', '?')}",
+        f"{m.get('cpus', '?')} CPUs",
+        f"{format_size(mem)} RAM" if mem else None,
+        f"Python {m.get('python', '?')}",
+        f"torch {m.get('torch', '?')}",
+        str(data.get("date", "?"))[:10],
+    ]
+    return ", ".join(p for p in parts if p)
+
+
+def _variant_cell(r: dict[str, Any], key: str, fmt: str) -> str:
+    if r.get("status") != "ok":
+        return str(r.get("status", "-"))
+    value = r.get(key)
+    return format(value, fmt) if isinstance(value, int | float) else "-"
+
+
+def populate_chart(data: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = data["results"]
+    variants: list[str] = data["config"]["variants"]
+    width = 0.8 / max(1, len(variants))
+    fig, ax = plt.subplots(figsize=(max(7.0, 2.2 + 2.4 * len(results)), 5.2), dpi=120)
+    cmap = plt.get_cmap("tab10")
+    top = 0.0
+    for i, variant in enumerate(variants):
+        xs, ys, lo, hi = [], [], [], []
+        for j, row in enumerate(results):
+            r = row["variants"].get(variant, {})
+            if r.get("status") != "ok":
+                continue
+            n = row["size_bytes"] / (1 << 30)
+            xs.append(j - 0.4 + width * (i + 0.5))
+            ys.append(r["gib_per_s"])
+            lo.append(r["gib_per_s"] - n / r["max_s"])
+            hi.append(n / r["min_s"] - r["gib_per_s"])
+            top = max(top, n / r["min_s"])
+        label = POPULATE_SHORT.get(variant, variant)
+        if not xs:
+            label += (
+                " (skipped)"
+                if any(
+                    row["variants"].get(variant, {}).get("status") == "skipped" for row in results
+                )
+                else " (no data)"
+            )
+        bars = ax.bar(
+            xs,
+            ys,
+            width * 0.92,
+            yerr=[lo, hi] if xs else None,
+            capsize=2,
+            label=label,
+            color=cmap(i % 10),
+        )
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, label_type="center", color="white")
+    ax.set_xticks(range(len(results)), [row["size"] for row in results])
+    ax.set_ylabel("GiB/s (allocate + populate), higher is better")
+    ax.set_ylim(0, top * 1.15 if top else 1)
+    runs = data["config"]["runs"]
+    ax.set_title(
+        f"Populate throughput, median of {runs} fresh-process run(s), "
+        f"{data['config'].get('pages', 'natural')} pages; whiskers: min..max\n"
+        f"{_machine_line(data)}",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncols=3, frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+@renderer("populate")
+def render_populate(data: dict[str, Any], ctx: Context) -> str:
+    results = data["results"]
+    variants: list[str] = data["config"]["variants"]
+    runs = data["config"]["runs"]
+    lines = [
+        f"Allocate + populate a tensor of host memory: median of {runs} run(s), each in a "
+        f"fresh process, variants interleaved; {_machine_line(data)}. Higher is better; "
+        "`x torch` is the speed relative to `torch.empty().zero_()` in the same run.",
+        "",
+    ]
+    pages = data["config"].get("pages")
+    if pages:
+        meaning = data["config"].get("pages_meaning", "")
+        lines += [f"Page state `{pages}`: {meaning}.", ""]
+    header = ["variant"]
+    for row in results:
+        header += [f"{row['size']} GiB/s", f"{row['size']} x torch"]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("| --- |" + " ---: |" * (len(header) - 1))
+    for variant in variants:
+        cells = [POPULATE_LABELS.get(variant, variant)]
+        for row in results:
+            r = row["variants"].get(variant, {})
+            cells.append(_variant_cell(r, "gib_per_s", ".2f"))
+            ratio = _variant_cell(r, "ratio_to_torch", ".2f")
+            cells.append(f"{ratio}x" if r.get("status") == "ok" and ratio != "-" else "")
+        lines.append("| " + " | ".join(cells) + " |")
+
+    skipped = {
+        v: r.get("reason", "")
+        for row in results
+        for v, r in row["variants"].items()
+        if r.get("status") == "skipped"
+    }
+    for variant, reason in skipped.items():
+        lines += ["", f"{POPULATE_SHORT.get(variant, variant)} skipped: {reason}"]
+
+    lines += ["", "| target | measured | result |", "| --- | --- | --- |"]
+    for t in data.get("targets", []):
+        measured = ", ".join(
+            f"{c['ratio']:.2f}x at {format_size(c['size_bytes'])}" for c in t["checks"]
+        )
+        if t["missing"]:
+            measured = "; ".join(filter(None, [measured, *t["missing"]]))
+        verdict = VERDICT[t["pass"]]
+        if t["kind"] == "aim" and t["pass"] is False:
+            verdict = "missed (aim)"
+        lines.append(f"| {t['text']} | {measured or '-'} | {verdict} |")
+
+    if ctx.charts:
+        chart = ctx.results_dir / "populate.png"
+        try:
+            populate_chart(data, chart)
+        except ImportError as exc:
+            print(f"populate: no chart ({exc}); install the bench extra", file=sys.stderr)
+        else:
+            lines += ["", f"![populate throughput]({ctx.link(chart)})"]
+    lines += [
+        "",
+        "Raw samples, machine facts and the hugepage reservation are in "
+        f"`{ctx.link(ctx.results_dir / 'populate.json')}`.",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------
+def replace_region(text: str, name: str, body: str) -> str | None:
+    """README text with the region `name` replaced by body; None when there is no region."""
+    pattern = re.compile(
+        rf"(<!-- bench:{re.escape(name)}:start -->)(.*?)(<!-- bench:{re.escape(name)}:end -->)",
+        re.DOTALL,
+    )
+    if pattern.search(text) is None:
+        return None
+    return pattern.sub(lambda m: f"{m.group(1)}\n{body}\n{m.group(3)}", text, count=1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md")
+    parser.add_argument("--no-readme", action="store_true", help="print only")
+    parser.add_argument("--no-charts", action="store_true", help="skip the PNGs")
+    parser.add_argument("--only", action="append", choices=sorted(RENDERERS), help="repeatable")
+    args = parser.parse_args()
+
+    readme: Path | None = None if args.no_readme or not args.readme.exists() else args.readme
+    ctx = Context(results_dir=args.results_dir, readme=readme, charts=not args.no_charts)
+    readme_text = readme.read_text() if readme is not None else None
+    updated = readme_text
+
+    found = {p.stem for p in sorted(args.results_dir.glob("*.json"))}
+    for name in sorted(found - set(RENDERERS)):
+        print(f"({name}.json has no renderer yet: add one to bench/report.py)", file=sys.stderr)
+    rendered = 0
+    for name, render in RENDERERS.items():
+        if args.only and name not in args.only:
+            continue
+        path = args.results_dir / f"{name}.json"
+        if not path.exists():
+            print(f"({path} missing: run bench/{name}.py)", file=sys.stderr)
+            continue
+        body = render(read_json(path), ctx)
+        print(f"## {name}\n\n{body}\n")
+        rendered += 1
+        if updated is not None:
+            replaced = replace_region(updated, name, body)
+            if replaced is not None:
+                updated = replaced
+    if readme is not None and updated is not None and updated != readme_text:
+        readme.write_text(updated)
+        print(f"updated {readme}", file=sys.stderr)
+    return 0 if rendered else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
