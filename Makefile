@@ -38,10 +38,16 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/populate.py
+	$(PY) bench/overhead.py
+	$(PY) bench/scrape.py
+	$(PY) bench/share.py
+	$(PY) bench/leakcheck.py
+	-$(PY) bench/gpu_pin.py
 	$(PY) bench/report.py
 
 soak: $(STAMP)
 	HOSTPOOL_SOAK=1 $(PY) -m pytest tests/reliability -q
+	$(PY) bench/report.py --only soak
 
 dashboards: $(STAMP)
 	$(PY) dashboards/build.py

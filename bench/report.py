@@ -28,6 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import REPO_ROOT, RESULTS_DIR, format_size, read_json
+from bench.report_tables import TABLES
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,9 @@ def render_populate(data: dict[str, Any], ctx: Context) -> str:
         f"`{ctx.link(ctx.results_dir / 'populate.json')}`.",
     ]
     return "\n".join(lines)
+
+
+RENDERERS.update(TABLES)
 
 
 # ---------------------------------------------------------------------------------------
