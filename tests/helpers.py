@@ -135,3 +135,21 @@ def run_forked(fn: object, *, uid: int | None = None, timeout: float = 60) -> tu
     os.close(r)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status), b"".join(chunks).decode()
+
+
+def attached_peer(path: str, pool: str) -> subprocess.Popen[str]:
+    """A real peer process attached to `pool` at `path`, holding it until its stdin closes."""
+    code = (
+        "import sys\nfrom hostpool.share import attach\n"
+        f"h = attach({path!r}, {pool!r})\nprint('attached', flush=True)\nsys.stdin.read()\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    peer = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=root,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert peer.stdout is not None and peer.stdout.readline().strip() == "attached"
+    return peer

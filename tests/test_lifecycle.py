@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import gc
-import math
 import os
-import random
-import threading
 
 import torch
 
 from hostpool import (
-    DefaultHostTensorAllocator,
     HostPoolManager,
-    MmapHostTensorAllocator,
     ShmHostTensorAllocator,
 )
 from hostpool.lifecycle import get_ledger
@@ -101,67 +96,4 @@ def test_forked_child_neither_releases_nor_counts_parent_regions() -> None:
     del t
 
 
-def test_churn_over_threads_leaves_nothing_behind() -> None:
-    """10,000 allocate/release cycles, 8 threads, 4 pools, every allocator type."""
-    ledger = get_ledger()
-    gc.collect()
-    ledger.drain()
-    fds_before = helpers.fd_links()
-    ids_before = _live_ids()
-    counters_before = ledger.counters()
-    pools = ["churn0", "churn1", "churn2", "churn3"]
-    kinds = [ShmHostTensorAllocator, MmapHostTensorAllocator, DefaultHostTensorAllocator]
-    allocators = [kinds[i % 3](p) for i, p in enumerate(pools)] + [
-        ShmHostTensorAllocator("churn3", populate="none")
-    ]
-    recorded: list[tuple[int, int]] = []
-    lock = threading.Lock()
-    cycles_per_thread = 10_000 // 8
-
-    def work(seed: int) -> None:
-        rng = random.Random(seed)
-        kept: list[torch.Tensor] = []
-        for _ in range(cycles_per_thread):
-            alloc = rng.choice(allocators)
-            nbytes = int(math.exp(rng.uniform(math.log(4096), math.log(4 << 20))))
-            t, region = alloc._allocate((nbytes,), torch.uint8, "cpu")
-            if region.kind != "torch":
-                with lock:
-                    recorded.append((region.address, region.address + region.mapped_bytes))
-            del region
-            roll = rng.random()
-            if roll < 0.6:
-                alloc.release(t)
-            elif roll < 0.8:
-                kept.append(t[:16])  # a view kept past release
-                alloc.release(t)
-            # else: dropped without close (the finalizer releases it)
-            del t
-            if len(kept) > 8:
-                kept.clear()
-
-    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    gc.collect()
-    ledger.drain()
-    assert helpers.fd_links() == fds_before
-    assert _live_ids() == ids_before
-    # Address space is reused once freed, so look for the exact ranges; CPython's own
-    # obmalloc arenas are 1 MiB anonymous mappings, so that one size cannot be told apart.
-    candidates = {r for r in recorded if r[1] - r[0] != 1 << 20}
-    assert candidates & set(helpers.mapped_ranges()) == set()
-    assert helpers.maps_lines("hostpool.churn") == []
-    after = ledger.counters()
-
-    def delta(key: str, pool: str, label: str) -> int:
-        return after[key].get((pool, label), 0) - counters_before[key].get((pool, label), 0)
-
-    made = sum(delta("allocations_total", p, k) for p in pools for k in ("shm", "mmap", "default"))
-    explicit = sum(delta("releases_total", p, "explicit") for p in pools)
-    finalized = sum(delta("releases_total", p, "finalizer") for p in pools)
-    assert made == 8 * cycles_per_thread
-    assert made == explicit + finalized  # + live, which is zero now
-    assert finalized > 0 and explicit > 0
+# Churn over threads, pools and allocator types: tests/reliability/test_churn.py.

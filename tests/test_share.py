@@ -76,21 +76,7 @@ def test_attached_clients_counted_and_a_killed_peer_detached(
 ) -> None:
     manager, server, path = shared
     t = manager.allocator("kv2").allocate((MiB,), torch.uint8)
-    code = f"""
-import sys
-from hostpool.share import attach
-h = attach({path!r}, "kv2")
-print("attached", flush=True)
-sys.stdin.read()
-"""
-    peer = subprocess.Popen(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert peer.stdout is not None and peer.stdout.readline().strip() == "attached"
+    peer = helpers.attached_peer(path, "kv2")
     _wait(lambda: server.attached_counts().get("kv2") == 1)
     (record,) = [r for r in manager.snapshot() if r.pool == "kv2"]
     assert record.peers == 1

@@ -54,21 +54,7 @@ def test_peer_killed_server_keeps_serving(tmp_path: os.PathLike[str]) -> None:
         deadline = time.monotonic() + 10
         while not os.path.exists(sock) and time.monotonic() < deadline:
             time.sleep(0.05)
-        code = f"""
-import sys
-from hostpool.share import attach
-h = attach({sock!r}, "kv")
-print("attached", flush=True)
-sys.stdin.read()
-"""
-        peer = subprocess.Popen(
-            [sys.executable, "-c", code],
-            cwd=ROOT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert peer.stdout is not None and peer.stdout.readline().strip() == "attached"
+        peer = helpers.attached_peer(sock, "kv")
         import urllib.request
 
         def attached() -> float:
