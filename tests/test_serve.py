@@ -162,3 +162,15 @@ def test_flags_build_pools(tmp_path: os.PathLike[str]) -> None:
     finally:
         s.proc.send_signal(signal.SIGINT)
         assert s.proc.wait(timeout=10) == 0
+
+
+def test_sigterm_removes_the_share_socket(tmp_path: os.PathLike[str]) -> None:
+    sock = os.path.join(tmp_path, "run", "share.sock")
+    s = start_serve(tmp_path, "--pool", "kv=1MiB", "--share-socket", sock)
+    deadline = time.monotonic() + 10
+    while not os.path.exists(sock) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.path.exists(sock)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(timeout=10) == 0
+    assert not os.path.exists(sock) and not os.path.exists(os.path.dirname(sock))
