@@ -113,6 +113,11 @@ class Admission:
                     self._inflight -= need
                 else:
                     self._inflight_huge[hugetlb_page_size] -= need
+            settle = getattr(self.policy, "settle", None)
+            if settle is not None and hugetlb_page_size is None:
+                # A policy spanning processes (the host-wide budget) shrinks its
+                # reservation to what is held now: a failed allocation keeps nothing.
+                settle(self._held_bytes() + self._inflight)
 
     def _check_normal(self, need: int) -> None:
         inflight = self._inflight

@@ -143,6 +143,9 @@ class HostPoolManager:
             allocators = list(self._allocators.values())
         for a in allocators:
             a.close()
+        settle = getattr(self._admission.policy, "settle", None)
+        if settle is not None:
+            settle(self._held_bytes())  # give the host-wide share back
         owners = {a._id for a in allocators}
         leaks = tuple(
             r for r in self._ledger.snapshot(owners=owners) if r.state == "released_mapped"
