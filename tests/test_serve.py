@@ -174,3 +174,17 @@ def test_sigterm_removes_the_share_socket(tmp_path: os.PathLike[str]) -> None:
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(timeout=10) == 0
     assert not os.path.exists(sock) and not os.path.exists(os.path.dirname(sock))
+
+
+def test_host_budget_reservation_file_goes_with_the_server(tmp_path: os.PathLike[str]) -> None:
+    budget_dir = os.path.join(tmp_path, "budget")
+    s = start_serve(
+        tmp_path, "--pool", "kv=2MiB", "--host-budget", "64MiB", "--budget-dir", budget_dir
+    )
+    reservations = [n for n in os.listdir(budget_dir) if not n.startswith(".")]
+    assert len(reservations) >= 1
+    doc = json.loads(s.get("/debug/pools")[1])
+    assert doc["budget_bytes"] == 64 << 20
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(timeout=10) == 0
+    assert [n for n in os.listdir(budget_dir) if not n.startswith(".")] == []

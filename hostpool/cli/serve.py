@@ -23,6 +23,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--host", default=None, help="listen address (127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="listen port (9464; 0 picks one)")
     p.add_argument("--budget", default=None, help="bytes the pools may hold, e.g. 8GiB")
+    p.add_argument("--host-budget", default=None, help="bytes all ranks on this host may hold")
+    p.add_argument("--budget-dir", default=None, help="directory the ranks share the budget in")
     p.add_argument("--share-socket", default=None, metavar="PATH")
     p.add_argument("--demo-load", action="store_true", help="run a demo workload")
     p.set_defaults(run=run)
@@ -55,7 +57,7 @@ def build_config(args: argparse.Namespace) -> serve_config.ServeConfig:
             if args.hugepages:
                 table["hugepages"] = args.hugepages
     server = data["server"]
-    for key in ("host", "port", "budget", "share_socket"):
+    for key in ("host", "port", "budget", "host_budget", "budget_dir", "share_socket"):
         value = getattr(args, key)
         if value is not None:
             server[key] = value

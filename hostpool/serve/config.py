@@ -33,7 +33,8 @@ _POOL_KEYS = {"size", "allocator", "chunk"} | {
     "shm_backend",
     "fallback_dir",
 }
-_SERVER_KEYS = {"host", "port", "budget", "share_socket", "demo_load"}
+_SERVER_KEYS = {"host", "port", "budget", "host_budget", "budget_dir", "share_socket", "demo_load"}
+DEFAULT_BUDGET_DIR = "/dev/shm/hostpool-budget"
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 9464
     budget: int | None = None
+    host_budget: int | None = None  # shared by every process using the same budget_dir
+    budget_dir: str = DEFAULT_BUDGET_DIR
     share_socket: str | None = None
     demo_load: bool = False
 
@@ -121,6 +124,12 @@ def from_mapping(data: dict[str, Any]) -> ServeConfig:
     share = server.get("share_socket")
     if share is not None and not isinstance(share, str):
         raise ConfigError(f"server.share_socket must be a path, got {share!r}")
+    host_budget = server.get("host_budget")
+    budget_dir = server.get("budget_dir", DEFAULT_BUDGET_DIR)
+    if not isinstance(budget_dir, str) or not budget_dir:
+        raise ConfigError(f"server.budget_dir must be a directory path, got {budget_dir!r}")
+    if host_budget is not None and budget is not None:
+        raise ConfigError("server.budget and server.host_budget: set one of them")
     demo = server.get("demo_load", False)
     if not isinstance(demo, bool):
         raise ConfigError(f"server.demo_load must be true or false, got {demo!r}")
@@ -129,6 +138,8 @@ def from_mapping(data: dict[str, Any]) -> ServeConfig:
         host=host,
         port=port,
         budget=_size(budget, "server.budget") if budget is not None else None,
+        host_budget=_size(host_budget, "server.host_budget") if host_budget is not None else None,
+        budget_dir=budget_dir,
         share_socket=share,
         demo_load=demo,
     )

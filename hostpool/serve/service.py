@@ -23,7 +23,13 @@ class PoolService:
 
     def __init__(self, config: ServeConfig, *, track_stacks: bool = False) -> None:
         self.config = config
-        self.manager = HostPoolManager(budget=config.budget, track_stacks=track_stacks)
+        self.host_budget: Any = None
+        budget: Any = config.budget
+        if config.host_budget is not None:
+            from hostpool.pools.hostbudget import HostBudget
+
+            budget = self.host_budget = HostBudget(config.host_budget, config.budget_dir)
+        self.manager = HostPoolManager(budget=budget, track_stacks=track_stacks)
         self.tensors: dict[str, list[torch.Tensor]] = {}
         self.started_at = time.time()
 
@@ -75,7 +81,10 @@ class PoolService:
                 if allocator is not None:
                     allocator.release(tensor)
                 del tensor  # the last view: the mapping goes now
-        return self.manager.close()
+        report = self.manager.close()
+        if self.host_budget is not None:
+            self.host_budget.close()  # its reservation file goes with it
+        return report
 
 
 def try_allocate(service: PoolService, spec: PoolSpec) -> HostPoolError | None:
