@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hostpool import events, procfs
+from hostpool import events, procfs, procgroup
 
 LABELS = ["prefix", "pool"]
 
@@ -60,7 +60,7 @@ class ProcfsCollector(Collector):
         holders = dict.fromkeys(self.prefixes, 0)
         for process in processes:
             seen: set[str] = set()
-            for usage in procfs.pool_usage(procfs.group_objects(process)):
+            for usage in procgroup.pool_usage(procgroup.group_objects(process)):
                 t = totals.setdefault((usage.prefix, usage.pool), _Totals())
                 t.open_fds += usage.open_fds
                 t.mapped_bytes += usage.mapped_bytes
@@ -89,7 +89,7 @@ class ProcfsCollector(Collector):
             except procfs.ProcessAccessError as exc:
                 self._warn_unreadable(1, str(exc))
                 return []
-        result = procfs.scan(self.prefixes)
+        result = procgroup.scan(self.prefixes)
         if result.unreadable:
             self._warn_unreadable(result.unreadable, "run as root or as the servers' user")
         return result.processes

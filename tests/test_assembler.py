@@ -22,7 +22,7 @@ from hostpool import AllocationError, ConfigError, HostPoolManager
 from hostpool.allocators import allocator_names
 from hostpool.lifecycle import get_ledger
 from hostpool.pools import assemble_host_pools, plan_host_pools
-from hostpool.pools.assembler import layer_kinds
+from hostpool.pools.modelconfig import layer_kinds
 from tests import helpers
 
 MODELS = Path(__file__).parent / "fixtures" / "models"

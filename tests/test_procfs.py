@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hostpool import procfs
+from hostpool import procfs, procgroup
 from hostpool.procfs import ShmName, classify_path, parse_name
 from tests import helpers
 
@@ -137,10 +137,10 @@ def test_one_mmap_split_into_vmas_is_one_mapping(memfd: tuple[str, int]) -> None
         try:
             process = procfs.read_process("self", (name,))
             assert len(process.mappings) == 3
-            (obj,) = procfs.group_objects(process)
+            (obj,) = procgroup.group_objects(process)
             assert sorted(len(m) for m in obj.mappings) == [1, 2]
             assert obj.mapped_bytes == 2 * MiB
-            kinds = [f.kind for f in procfs.findings([obj])]
+            kinds = [f.kind for f in procgroup.findings([obj])]
             assert kinds == ["mapped_twice"]
         finally:
             mm2.close()
@@ -204,7 +204,7 @@ def test_scan_finds_other_processes_by_prefix() -> None:
     try:
         assert child.stdout is not None
         fd = int(child.stdout.readline())
-        result = procfs.scan((prefix,))
+        result = procgroup.scan((prefix,))
         assert [(p.pid, [f.fd for f in p.fds]) for p in result.processes] == [(child.pid, [fd])]
         (f,) = result.processes[0].fds
         assert (f.name.prefix, f.name.pool) == (prefix, prefix.removeprefix("hostpool."))

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from hostpool import procfs
+from hostpool import procfs, procgroup
 
 CLEAR_SCREEN = "\033[H\033[2J"
 
@@ -88,7 +88,7 @@ def _loop(pid: int, prefixes: Sequence[str], args: argparse.Namespace) -> int:
 
 def report(pid: int, prefixes: Sequence[str]) -> dict[str, Any]:
     """The JSON document: per-pool totals, every object, and the findings."""
-    objects = procfs.group_objects(procfs.read_process(pid, prefixes))
+    objects = procgroup.group_objects(procfs.read_process(pid, prefixes))
     return {
         "pid": pid,
         "time": time.time(),
@@ -104,7 +104,7 @@ def report(pid: int, prefixes: Sequence[str]) -> dict[str, Any]:
                 "resident_bytes": u.resident_bytes,
                 "page_sizes": list(u.page_sizes),
             }
-            for u in procfs.pool_usage(objects)
+            for u in procgroup.pool_usage(objects)
         ],
         "objects": [
             {
@@ -137,7 +137,7 @@ def report(pid: int, prefixes: Sequence[str]) -> dict[str, Any]:
                 "addresses": list(f.addresses),
                 "detail": f.detail,
             }
-            for f in procfs.findings(objects)
+            for f in procgroup.findings(objects)
         ],
     }
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from hostpool import procfs
+from hostpool import procfs, procgroup
 
 DEFAULT_PREFIXES: tuple[str, ...] = (procfs.HOSTPOOL_PREFIX,)
 
@@ -147,7 +147,7 @@ def describe(added: ShmState, prefixes: Sequence[str]) -> list[Leak]:
     """Group new fds and maps lines by object and attach what the ledger knows."""
     fds = [f for f in procfs.shm_fds("self", prefixes) if (f.fd, f.dev, f.ino) in added.fds]
     maps = [m for line in added.maps if (m := procfs.parse_maps_line(line, prefixes))]
-    objects = procfs.group_objects(procfs.ProcessShm(0, tuple(fds), tuple(maps)))
+    objects = procgroup.group_objects(procfs.ProcessShm(0, tuple(fds), tuple(maps)))
     known = _ledger_regions()
     return [
         Leak(

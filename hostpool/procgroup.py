@@ -1,0 +1,202 @@
+"""A process's shm, grouped: fds and mappings into objects (by inode), objects into
+pools, and the findings /proc alone can decide. Pure functions over `hostpool.procfs`'s
+readings; `inspect`, the exporter and the leak check use them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hostpool.procfs import (
+    Kind,
+    ProcessAccessError,
+    ProcessNotFoundError,
+    ProcessShm,
+    ShmFd,
+    ShmMapping,
+    ShmName,
+    read_process,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ShmObject:
+    """One memfd / shm file / named anonymous region as one process holds it."""
+
+    kind: Kind
+    name: ShmName
+    dev: int
+    ino: int
+    fds: tuple[ShmFd, ...]
+    mappings: tuple[tuple[ShmMapping, ...], ...]  # logical mappings, each one or more VMAs
+
+    @property
+    def size(self) -> int:
+        """The object's length: from an fd when held, else what is mapped."""
+        return self.fds[0].size if self.fds else self.mapped_bytes
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(vma.size for m in self.mappings for vma in m)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes behind the VMAs now (smaps Rss + hugetlb), 0 if read without usage."""
+        return sum(vma.usage.resident_bytes for m in self.mappings for vma in m if vma.usage)
+
+    @property
+    def page_sizes(self) -> frozenset[int]:
+        return frozenset(
+            vma.usage.kernel_page_size for m in self.mappings for vma in m if vma.usage
+        )
+
+
+def group_objects(process: ProcessShm) -> list[ShmObject]:
+    """Fds and VMAs joined by (dev, ino); inode-less anonymous VMAs by name. By name."""
+    fds: dict[object, list[ShmFd]] = {}
+    vmas: dict[object, list[ShmMapping]] = {}
+    first: dict[object, ShmFd | ShmMapping] = {}
+    for f in process.fds:
+        fds.setdefault((f.dev, f.ino), []).append(f)
+        first.setdefault((f.dev, f.ino), f)
+    for m in process.mappings:
+        key = (m.dev, m.ino) if m.ino else m.name.name
+        vmas.setdefault(key, []).append(m)
+        first.setdefault(key, m)
+    objects = [
+        ShmObject(
+            kind=item.kind,
+            name=item.name,
+            dev=item.dev,
+            ino=item.ino,
+            fds=tuple(fds.get(key, ())),
+            mappings=tuple(_logical_mappings(vmas.get(key, []))),
+        )
+        for key, item in first.items()
+    ]
+    objects.sort(key=lambda o: (o.name.prefix, o.name.pool, o.name.name))
+    return objects
+
+
+def _logical_mappings(vmas: Iterable[ShmMapping]) -> Iterator[tuple[ShmMapping, ...]]:
+    """Join VMAs that one mmap() was split into (madvise, mprotect): adjacent in memory
+    and in the file. What remains separate is a distinct mapping of the object."""
+    run: list[ShmMapping] = []
+    for vma in sorted(vmas, key=lambda v: v.start):
+        if run and not (
+            run[-1].end == vma.start
+            and (vma.kind == "anon" or run[-1].offset + run[-1].size == vma.offset)
+        ):
+            yield tuple(run)
+            run = []
+        run.append(vma)
+    if run:
+        yield tuple(run)
+
+
+# -- per-pool totals and what /proc alone can flag --------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PoolUsage:
+    prefix: str
+    pool: str
+    objects: int
+    open_fds: int
+    mappings: int  # logical mappings
+    mapped_bytes: int
+    resident_bytes: int
+    page_sizes: tuple[int, ...]
+
+
+def pool_usage(objects: Iterable[ShmObject]) -> list[PoolUsage]:
+    """Totals per (prefix, pool), sorted."""
+    acc: dict[tuple[str, str], list[ShmObject]] = {}
+    for obj in objects:
+        acc.setdefault((obj.name.prefix, obj.name.pool), []).append(obj)
+    return [
+        PoolUsage(
+            prefix=prefix,
+            pool=pool,
+            objects=len(objs),
+            open_fds=sum(len(o.fds) for o in objs),
+            mappings=sum(len(o.mappings) for o in objs),
+            mapped_bytes=sum(o.mapped_bytes for o in objs),
+            resident_bytes=sum(o.resident_bytes for o in objs),
+            page_sizes=tuple(sorted({size for o in objs for size in o.page_sizes})),
+        )
+        for (prefix, pool), objs in sorted(acc.items())
+    ]
+
+
+FindingKind = Literal["fd_without_mapping", "mapping_without_fd", "mapped_twice"]
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    kind: FindingKind
+    prefix: str
+    pool: str
+    name: str
+    fds: tuple[int, ...]
+    addresses: tuple[str, ...]
+    detail: str
+
+
+def findings(objects: Iterable[ShmObject]) -> list[Finding]:
+    """What /proc alone can decide is suspicious, per object.
+
+    - fd_without_mapping: a memfd/shm file held open but mapped nowhere in the process
+      (legitimate for a sharing server's spare fd; a leak otherwise).
+    - mapping_without_fd: a memfd/shm file mapped but no fd of this process holds it
+      (someone closed it, or it was received from a peer and the fd dropped).
+    - mapped_twice: two separate mappings of the same object in one process.
+    Named anonymous regions have no fd: only mapped_twice applies to them.
+    """
+    out: list[Finding] = []
+    for o in objects:
+        flagged: list[tuple[FindingKind, str]] = []
+        addresses = tuple(f"{m[0].start:x}-{m[-1].end:x}" for m in o.mappings)
+        if o.kind != "anon" and o.fds and not o.mappings:
+            flagged.append(("fd_without_mapping", f"{len(o.fds)} fd(s) open, object not mapped"))
+        if o.kind != "anon" and o.mappings and not o.fds:
+            flagged.append(("mapping_without_fd", f"mapped at {', '.join(addresses)}, no fd"))
+        if len(o.mappings) > 1:
+            flagged.append(("mapped_twice", f"{len(o.mappings)} separate mappings of one object"))
+        fds = tuple(f.fd for f in o.fds)
+        n = o.name
+        out.extend(Finding(k, n.prefix, n.pool, n.name, fds, addresses, d) for k, d in flagged)
+    return out
+
+
+# -- many processes ---------------------------------------------------------------------
+
+
+@dataclass
+class Scan:
+    """Every readable process holding a matching fd or mapping."""
+
+    processes: list[ProcessShm] = field(default_factory=list)
+    unreadable: int = 0  # processes whose /proc entries this user may not read
+
+
+def scan(prefixes: Sequence[str], *, usage: bool = True) -> Scan:
+    import psutil  # lazy: only the exporter and inspect pay for it
+
+    result = Scan()
+    me = os.getpid()
+    for pid in psutil.pids():
+        if pid == me:
+            continue
+        try:
+            process = read_process(pid, prefixes, usage=usage)
+        except ProcessNotFoundError:
+            continue
+        except ProcessAccessError:
+            result.unreadable += 1
+            continue
+        if process.fds or process.mappings:
+            result.processes.append(process)
+    return result
