@@ -235,6 +235,16 @@ def render_populate(data: dict[str, Any], ctx: Context) -> str:
 RENDERERS.update(TABLES)
 
 
+@renderer("populate-natural")
+def render_populate_natural(data: dict[str, Any], ctx: Context) -> str:
+    """The same comparison with pages as they come (`--pages natural`), without a chart."""
+    from dataclasses import replace
+
+    return render_populate(data, replace(ctx, charts=False)).replace(
+        "populate.json", "populate-natural.json"
+    )
+
+
 # ---------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------
