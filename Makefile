@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 # The CPU wheel of torch is pinned and installed first, so nothing can pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+SERVE_ARGS ?=
 
 .PHONY: run test test-fast lint bench soak dashboards prometheus clean
 
@@ -23,7 +24,7 @@ prometheus:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 run: $(STAMP)
-	exec $(VENV)/bin/hostpool serve
+	exec $(VENV)/bin/hostpool serve $(SERVE_ARGS)
 
 test: $(STAMP) prometheus
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -188,3 +188,42 @@ def test_host_budget_reservation_file_goes_with_the_server(tmp_path: os.PathLike
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(timeout=10) == 0
     assert [n for n in os.listdir(budget_dir) if not n.startswith(".")] == []
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_make_run_as_a_new_user_would(tmp_path: os.PathLike[str]) -> None:
+    """`make run`, then curl, then Ctrl-C (SIGINT to the whole process group)."""
+    err = os.path.join(tmp_path, "make-run.err")
+    with open(err, "w") as f:
+        proc = subprocess.Popen(
+            ["make", "--no-print-directory", "run", "SERVE_ARGS=--port 0"],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=f,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 600  # a first `make run` installs everything
+        url = None
+        while time.monotonic() < deadline and url is None:
+            with open(err) as f:
+                match = re.search(r'"url": "(http://[^"]+)/metrics"', f.read())
+            url = match.group(1) if match else None
+            assert proc.poll() is None, open(err).read()  # noqa: SIM115
+            time.sleep(0.2)
+        assert url is not None
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            assert b"hostpool_allocated_bytes" in r.read()
+        with urllib.request.urlopen(url + "/healthz", timeout=10) as r:
+            assert r.read() == b"ok\n"
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    with open(err) as f:
+        log = f.read()
+    assert "hostpool.serve_stopped" in log
+    releases = [json.loads(x) for x in log.splitlines() if "hostpool.release" in x]
+    assert releases and {r["how"] for r in releases} == {"explicit"}
