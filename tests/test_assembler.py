@@ -217,6 +217,12 @@ def test_build_hybrid_through_one_manager() -> None:
             assert tuple(record.dims) == pool.plan.buffers[0].dims
             assert pool.buffer.shape == pool.plan.buffers[0].dims
             assert record.mapped_bytes >= pool.plan.nbytes
+        # /proc/self/fd shows one distinct memfd per pool, named for it
+        links = helpers.fd_links()
+        for pool_name in ("kv", "swa"):
+            named = {t for t in links.values() if f"/memfd:hostpool.{pool_name}." in t}
+            assert len(named) == 1, (pool_name, links)
+        assert len(set(links.values())) >= 2
         k, v = pools["kv"].k_buffer, pools["kv"].v_buffer
         k.fill_(1)
         v.fill_(2)
