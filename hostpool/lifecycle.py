@@ -20,7 +20,6 @@ import contextlib
 import functools
 import os
 import threading
-import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -28,7 +27,6 @@ from typing import Any
 
 from hostpool import events
 from hostpool.memory.region import Region
-from hostpool.memory.units import format_size
 
 # hostpool_allocation_duration_seconds buckets: 1 ms .. 10 min.
 DURATION_BUCKETS = (
@@ -397,11 +395,3 @@ os.register_at_fork(after_in_child=_ledger._after_fork_in_child)
 def get_ledger() -> Ledger:
     """The one ledger of this process."""
     return _ledger
-
-
-def describe_bytes(n: int) -> str:
-    return f"{n} bytes ({format_size(n)})"
-
-
-def now() -> float:
-    return time.time()

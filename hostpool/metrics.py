@@ -262,12 +262,6 @@ def _page_label(page_size: int) -> str:
     return format_size(page_size)
 
 
-def kernel_page() -> int:
-    from hostpool.memory.syscalls import PAGE_SIZE
-
-    return PAGE_SIZE
-
-
 _registered: weakref.WeakKeyDictionary[CollectorRegistry, HostPoolCollector] = (
     weakref.WeakKeyDictionary()
 )

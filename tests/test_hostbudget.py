@@ -116,6 +116,8 @@ FORKER = textwrap.dedent(
     budget.admit({need}, 0)
     child = os.fork()
     if child == 0:
+        # the fork hook has run by now: say so, so the test kills the parent only then
+        print("child-ready", flush=True)
         time.sleep(60)
         os._exit(0)
     print(child, flush=True)
@@ -130,7 +132,9 @@ def test_a_forked_child_does_not_keep_a_killed_parents_reservation(tmp_path: Pat
     child = 0
     try:
         assert parent.stdout is not None
-        child = int(parent.stdout.readline())
+        lines = {parent.stdout.readline().strip() for _ in range(2)}
+        assert "child-ready" in lines
+        child = int(next(x for x in lines if x != "child-ready"))
         observer = HostBudget(LIMIT, tmp_path)
         assert observer.reserved_bytes() == 100 * MiB
         parent.send_signal(signal.SIGKILL)

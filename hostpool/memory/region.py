@@ -252,10 +252,6 @@ class Region:
             return True
         return not self.views_alive()
 
-    def detach_finalizers(self) -> None:
-        for fin in self._finalizers:
-            fin.detach()
-
 
 def tensor_over(holder: Any, dims: tuple[int, ...], dtype: Any) -> Any:
     """A tensor of `dims`/`dtype` over a Region's holder (the tensor keeps it alive)."""

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from hostpool import events
-from hostpool.errors import HostPoolError
 from hostpool.lifecycle import AllocationRecord
 from hostpool.manager import HostPoolManager, LeakReport
 from hostpool.serve.config import PoolSpec, ServeConfig
@@ -85,12 +84,3 @@ class PoolService:
         if self.host_budget is not None:
             self.host_budget.close()  # its reservation file goes with it
         return report
-
-
-def try_allocate(service: PoolService, spec: PoolSpec) -> HostPoolError | None:
-    """Allocate one more pool at run time; the error, if refused, instead of raising."""
-    try:
-        service._allocate_pool(spec, None)
-    except HostPoolError as exc:
-        return exc
-    return None
