@@ -28,6 +28,9 @@ from typing import Any
 from hostpool import events
 from hostpool.memory.region import Region
 
+# Births and deaths queued before the hot path settles them itself.
+_SETTLE_EVERY = 256
+
 # hostpool_allocation_duration_seconds buckets: 1 ms .. 10 min.
 DURATION_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -85,6 +88,7 @@ class _Entry:
     # Label tuples the collector builds once per region, not once per scrape.
     scrape_keys: tuple[Any, ...] | None = None
     pinned: int = 0  # bytes pinned at birth (the chunks list empties when unpinned)
+    seconds: float = 0.0  # allocate + populate time
 
 
 @dataclass
@@ -120,6 +124,7 @@ class Ledger:
         self.share_clients: Callable[[], dict[str, int]] | None = None
         self.track_stacks = tracking_stacks_from_env()
         self._finished: list[tuple[str, _Entry]] = []
+        self._births: list[_Entry] = []
         self._callback: Callable[..., None] | None = None
         # region id -> peers holding it through `share` (set by the share server).
         self._peers: dict[int, int] = {}
@@ -134,7 +139,7 @@ class Ledger:
     def _locked(self) -> Iterator[None]:
         """The ledger lock; releases drained meanwhile are logged after it is let go."""
         with self._lock:
-            if self._gone:
+            if self._gone or self._births:
                 self._drain_locked()
             yield
             finished, self._finished = self._finished, []
@@ -166,26 +171,36 @@ class Ledger:
         dims: tuple[int, ...] = (),
         dtype: str = "torch.uint8",
     ) -> None:
-        # The allocation hot path: a plain lock, no generator, no event work inside.
+        # The allocation hot path: insert and queue, nothing more. Counting waits for
+        # the next reader (a scrape, a release, a snapshot), which settles births first.
+        entry = _Entry(region, allocator, owner, stack, dims, dtype, seconds=seconds)
         with self._lock:
-            if self._gone:
-                self._drain_locked()
-            entry = _Entry(region, allocator, owner, stack, dims, dtype, pinned=region.pinned_bytes)
             self._entries[region.id] = entry
-            self._count_live(entry, 1)
+            births = self._births
+            births.append(entry)
+            if len(births) < _SETTLE_EVERY and len(self._gone) < _SETTLE_EVERY:
+                return
+            self._drain_locked()  # keep the queues short when nobody reads
+            finished, self._finished = self._finished, []
+        if finished:
+            _emit_releases(finished)
+
+    def _settle_births_locked(self) -> None:
+        births, self._births = self._births, []
+        for entry in births:
+            region = entry.region
             pool = region.pool
+            entry.pinned = region.pinned_bytes
+            self._count_live(entry, 1)
             if pool not in self.known_pools:
                 self.known_pools[pool] = None
-            self.allocations_total[(pool, allocator)] += 1
+            self.allocations_total[(pool, entry.allocator)] += 1
             for reason in region.hugepage_fallbacks:
                 self.fallbacks_total[(pool, reason)] += 1
             histogram = self.durations.get(pool)
             if histogram is None:
                 histogram = self.durations[pool] = _Histogram()
-            histogram.observe(seconds)
-            finished, self._finished = self._finished, []
-        if finished:
-            _emit_releases(finished)
+            histogram.observe(entry.seconds)
 
     def _count_live(self, entry: _Entry, sign: int) -> None:
         r = entry.region
@@ -227,6 +242,8 @@ class Ledger:
             pass
 
     def _drain_locked(self) -> None:
+        if self._births:
+            self._settle_births_locked()  # a region is counted born before it dies
         while True:
             try:
                 generation, region_id, how = self._gone.popleft()
@@ -311,6 +328,7 @@ class Ledger:
         self._entries = {}
         self._gone = collections.deque()
         self._finished = []
+        self._births = []
         self._callback = None
         self._peers = {}
         for live in (self.live_bytes, self.live_count, self.live_modes, self.live_pinned):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +23,14 @@ class MemoryLimit:
         return max(0, self.limit - self.usage)
 
 
-def _own_paths(pid: str = "self") -> dict[str, str]:
-    """controller -> cgroup path ("" for the v2 unified entry)."""
+def _own_paths() -> dict[str, str]:
+    """controller -> cgroup path ("" for the v2 unified entry), read once per process:
+    the budget asks on every allocation, and a process rarely changes cgroups."""
+    return _paths_of(os.getpid())
+
+
+@functools.lru_cache(maxsize=4)
+def _paths_of(pid: int) -> dict[str, str]:
     paths: dict[str, str] = {}
     try:
         text = Path(f"/proc/{pid}/cgroup").read_text()
@@ -54,8 +62,11 @@ def memory_limit() -> MemoryLimit | None:
     if "memory" in paths:  # v1
         base = CGROUP_ROOT / "memory"
         for d in _ancestors(base, paths["memory"]):
-            limit, usage = _read(d / "memory.limit_in_bytes"), _read(d / "memory.usage_in_bytes")
-            if limit is None or usage is None or int(limit) >= _V1_UNLIMITED:
+            limit = _read(d / "memory.limit_in_bytes")
+            if limit is None or int(limit) >= _V1_UNLIMITED:
+                continue  # no limit here: its usage need not be read
+            usage = _read(d / "memory.usage_in_bytes")
+            if usage is None:
                 continue
             cand = MemoryLimit(int(limit), int(usage), str(d / "memory.limit_in_bytes"))
             if best is None or cand.free < best.free:
@@ -63,8 +74,11 @@ def memory_limit() -> MemoryLimit | None:
         return best
     if "" in paths:  # v2
         for d in _ancestors(_v2_dir(), paths[""]):
-            limit, usage = _read(d / "memory.max"), _read(d / "memory.current")
-            if limit is None or usage is None or limit == "max":
+            limit = _read(d / "memory.max")
+            if limit is None or limit == "max":
+                continue
+            usage = _read(d / "memory.current")
+            if usage is None:
                 continue
             cand = MemoryLimit(int(limit), int(usage), str(d / "memory.max"))
             if best is None or cand.free < best.free:
