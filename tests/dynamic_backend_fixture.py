@@ -27,11 +27,6 @@ class DictStorage(HiCacheStorage):
             return target_location  # type: ignore[no-any-return]
         return page
 
-    def batch_get(
-        self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None
-    ) -> list[torch.Tensor | None]:
-        return [self.get(k) for k in keys]
-
     def set(
         self,
         key: str,
@@ -41,15 +36,6 @@ class DictStorage(HiCacheStorage):
     ) -> bool:
         self.pages[key] = value.clone()  # type: ignore[union-attr]
         return True
-
-    def batch_set(
-        self,
-        keys: list[str],
-        values: Any | None = None,
-        target_locations: Any | None = None,
-        target_sizes: Any | None = None,
-    ) -> bool:
-        return all(self.set(k, v) for k, v in zip(keys, values or [], strict=True))
 
     def exists(self, key: str) -> bool:
         return key in self.pages

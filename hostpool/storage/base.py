@@ -51,14 +51,16 @@ class HiCacheStorage(ABC):
     ) -> torch.Tensor | None:
         """The value of `key` (read into `target_location` when given), or None."""
 
-    @abstractmethod
     def batch_get(
         self,
         keys: list[str],
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> list[torch.Tensor | None]:
-        """One result per key, None for a miss."""
+        """One result per key, None for a miss. A backend with a real batch path overrides
+        this; the default asks `get` key by key."""
+        targets = target_locations if target_locations is not None else [None] * len(keys)
+        return [self.get(k, t) for k, t in zip(keys, targets, strict=True)]
 
     @abstractmethod
     def set(
@@ -70,7 +72,6 @@ class HiCacheStorage(ABC):
     ) -> bool:
         """Store `value` under `key`; True on success."""
 
-    @abstractmethod
     def batch_set(
         self,
         keys: list[str],
@@ -78,7 +79,12 @@ class HiCacheStorage(ABC):
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
-        """Store every pair; True only if all succeeded."""
+        """Store every pair; True only if all succeeded (default: `set` key by key)."""
+        if values is None:
+            values = [None] * len(keys)  # `set` decides what a missing value means
+        if len(values) != len(keys):
+            return False
+        return all(self.set(k, v) for k, v in zip(keys, values, strict=True))
 
     @abstractmethod
     def exists(self, key: str) -> bool: ...

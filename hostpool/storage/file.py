@@ -105,15 +105,6 @@ class HiCacheFile(HiCacheStorage):
         finally:
             os.close(fd)
 
-    def batch_get(
-        self,
-        keys: list[str],
-        target_locations: Any | None = None,
-        target_sizes: Any | None = None,
-    ) -> list[torch.Tensor | None]:
-        targets = target_locations if target_locations is not None else [None] * len(keys)
-        return [self.get(k, t) for k, t in zip(keys, targets, strict=True)]
-
     def exists(self, key: str) -> bool:
         return os.path.exists(self.path_of(key))
 
@@ -152,17 +143,6 @@ class HiCacheFile(HiCacheStorage):
             events.warning("hostpool.storage.write_failed", key=key, error=str(exc))
             return False
         return True
-
-    def batch_set(
-        self,
-        keys: list[str],
-        values: Any | None = None,
-        target_locations: Any | None = None,
-        target_sizes: Any | None = None,
-    ) -> bool:
-        if values is None or len(values) != len(keys):
-            return False
-        return all(self.set(k, v) for k, v in zip(keys, values, strict=True))
 
     def clear(self) -> bool:
         """Remove this backend's pages and stray temporaries; other files are left alone."""

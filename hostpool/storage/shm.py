@@ -29,28 +29,11 @@ class HiCacheShm(HiCacheStorage):
     ) -> torch.Tensor | None:
         return None
 
-    def batch_get(
-        self,
-        keys: list[str],
-        target_locations: Any | None = None,
-        target_sizes: Any | None = None,
-    ) -> list[torch.Tensor | None]:
-        return [None] * len(keys)
-
     def set(
         self,
         key: str,
         value: Any | None = None,
         target_location: Any | None = None,
-        target_sizes: Any | None = None,
-    ) -> bool:
-        return True
-
-    def batch_set(
-        self,
-        keys: list[str],
-        values: Any | None = None,
-        target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
         return True
