@@ -53,3 +53,16 @@ def hostpool_events_enabled() -> Iterator[None]:
     logger.setLevel(logging.DEBUG)
     yield
     logger.setLevel(old)
+
+
+@pytest.fixture
+def fake_cuda() -> Iterator[helpers.FakeCuda]:
+    """A fake CUDA runtime behind hostpool's seam (no GPU is lent to most runs)."""
+    from hostpool.memory import cuda
+
+    fake = helpers.FakeCuda()
+    previous = cuda.set_runtime(fake)
+    try:
+        yield fake
+    finally:
+        cuda.set_runtime(previous)

@@ -10,6 +10,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
 
@@ -153,3 +154,61 @@ def attached_peer(path: str, pool: str) -> subprocess.Popen[str]:
     )
     assert peer.stdout is not None and peer.stdout.readline().strip() == "attached"
     return peer
+
+
+class FakeCuda:
+    """Records register/unregister; checks every unregister happens while still mapped."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at = fail_at
+        self.registered: dict[int, int] = {}
+        self.log: list[tuple[str, int]] = []
+        self.problems: list[str] = []
+        self.attempts = 0
+
+    def available(self) -> bool:
+        return True
+
+    def host_register(self, address: int, length: int) -> None:
+        index = self.attempts
+        self.attempts += 1
+        if index == self.fail_at:
+            raise RuntimeError(f"injected cudaErrorHostMemoryAlreadyRegistered at chunk {index}")
+        self.registered[address] = length
+        self.log.append(("register", address))
+
+    def host_unregister(self, address: int) -> None:
+        length = self.registered.pop(address, None)
+        if length is None:
+            self.problems.append(f"unregister of unknown {address:#x}")
+        elif not range_mapped(address, length):
+            self.problems.append(f"unregister after munmap at {address:#x}")
+        self.log.append(("unregister", address))
+
+
+def no_madv_populate(monkeypatch: Any) -> None:
+    """Make the kernel look older than 5.14 at the syscall seam: MADV_POPULATE_WRITE is EINVAL."""
+    import errno
+
+    from hostpool.memory import syscalls
+
+    real = syscalls.madvise
+
+    def fake(address: int, length: int, advice: int) -> None:
+        if advice == syscalls.MADV_POPULATE_WRITE:
+            raise OSError(errno.EINVAL, "injected: MADV_POPULATE_WRITE unsupported")
+        real(address, length, advice)
+
+    monkeypatch.setattr(syscalls, "madvise", fake)
+
+
+def no_memfd(monkeypatch: Any) -> None:
+    """memfd_create unavailable (ENOSYS) at the syscall seam."""
+    import errno
+
+    from hostpool.memory import syscalls
+
+    def fake(name: str, flags: int) -> int:
+        raise OSError(errno.ENOSYS, "injected: memfd_create unavailable")
+
+    monkeypatch.setattr(syscalls, "memfd_create", fake)

@@ -378,36 +378,9 @@ def test_miniature_pool_pages_through_the_file_backend(tmp_path: Any, nothing_le
     del pool
 
 
-class FakeCuda:
-    """Records registrations; an unregister after munmap is a problem."""
-
-    def __init__(self) -> None:
-        self.registered: dict[int, int] = {}
-        self.problems: list[str] = []
-
-    def available(self) -> bool:
-        return True
-
-    def host_register(self, address: int, length: int) -> None:
-        self.registered[address] = length
-
-    def host_unregister(self, address: int) -> None:
-        length = self.registered.pop(address)
-        if not helpers.range_mapped(address, length):
-            self.problems.append(f"unregistered {address:#x} after munmap")
-
-
-@pytest.fixture
-def fake_cuda() -> Iterator[FakeCuda]:
-    fake = FakeCuda()
-    previous = cuda.set_runtime(fake)
-    try:
-        yield fake
-    finally:
-        cuda.set_runtime(previous)
-
-
-def test_pinned_pool_is_unregistered_before_unmap(fake_cuda: FakeCuda, nothing_left: None) -> None:
+def test_pinned_pool_is_unregistered_before_unmap(
+    fake_cuda: helpers.FakeCuda, nothing_left: None
+) -> None:
     pool = MHATokenToKVPoolHost(DEVICE_POOL, 2.0, 0, 16, "layer_first", True, "cpu", "shm")
     start, nbytes = pool.kv_buffer.data_ptr(), pool.kv_buffer.numel() * 2
     assert sum(fake_cuda.registered.values()) >= nbytes
@@ -419,7 +392,7 @@ def test_pinned_pool_is_unregistered_before_unmap(fake_cuda: FakeCuda, nothing_l
     assert fake_cuda.registered == {} and fake_cuda.problems == []
 
 
-def test_foreign_allocators_are_registered_in_chunks(fake_cuda: FakeCuda) -> None:
+def test_foreign_allocators_are_registered_in_chunks(fake_cuda: helpers.FakeCuda) -> None:
     class TorchAllocator:
         def allocate(self, dims: Any, dtype: torch.dtype, device: str) -> torch.Tensor:
             return torch.empty(dims, dtype=dtype, device=device)

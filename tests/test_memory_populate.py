@@ -58,23 +58,10 @@ def test_none_leaves_pages_unresident_until_touched(no_leaked_fds: None) -> None
     del ts, ta
 
 
-def _madv_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hostpool.memory import syscalls
-
-    real = syscalls.madvise
-
-    def fake(address: int, length: int, advice: int) -> None:
-        if advice == syscalls.MADV_POPULATE_WRITE:
-            raise OSError(errno.EINVAL, "injected: MADV_POPULATE_WRITE unsupported")
-        real(address, length, advice)
-
-    monkeypatch.setattr(syscalls, "madvise", fake)
-
-
 def test_auto_falls_back_where_madvise_is_unsupported(
     monkeypatch: pytest.MonkeyPatch, no_leaked_fds: None
 ) -> None:
-    _madv_unsupported(monkeypatch)
+    helpers.no_madv_populate(monkeypatch)
     shm_alloc = ShmHostTensorAllocator("old")
     anon_alloc = MmapHostTensorAllocator("old")
     ts = shm_alloc.allocate((SIZE,), torch.uint8)

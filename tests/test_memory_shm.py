@@ -101,10 +101,7 @@ def test_every_name_taken_raises_after_n_attempts(
 def test_memfd_unavailable_falls_back_to_devshm(
     monkeypatch: pytest.MonkeyPatch, no_leaked_fds: None
 ) -> None:
-    def no_memfd(name: str, flags: int) -> int:
-        raise OSError(errno.ENOSYS, "memfd_create unavailable")
-
-    monkeypatch.setattr("hostpool.memory.syscalls.memfd_create", no_memfd)
+    helpers.no_memfd(monkeypatch)
     alloc = ShmHostTensorAllocator("nomemfd")
     t = alloc.allocate((8192,), torch.uint8)
     assert alloc.regions[0].backend == "devshm"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,47 +14,9 @@ from tests import helpers
 MiB = 1 << 20
 
 
-class FakeCuda:
-    """Records register/unregister; checks every unregister happens while still mapped."""
-
-    def __init__(self, fail_at: int | None = None) -> None:
-        self.fail_at = fail_at
-        self.registered: dict[int, int] = {}
-        self.log: list[tuple[str, int]] = []
-        self.problems: list[str] = []
-        self.attempts = 0
-
-    def available(self) -> bool:
-        return True
-
-    def host_register(self, address: int, length: int) -> None:
-        index = self.attempts
-        self.attempts += 1
-        if index == self.fail_at:
-            raise RuntimeError(f"injected cudaErrorHostMemoryAlreadyRegistered at chunk {index}")
-        self.registered[address] = length
-        self.log.append(("register", address))
-
-    def host_unregister(self, address: int) -> None:
-        length = self.registered.pop(address, None)
-        if length is None:
-            self.problems.append(f"unregister of unknown {address:#x}")
-        elif not helpers.range_mapped(address, length):
-            self.problems.append(f"unregister after munmap at {address:#x}")
-        self.log.append(("unregister", address))
-
-
-@pytest.fixture
-def fake_cuda() -> Iterator[FakeCuda]:
-    fake = FakeCuda()
-    previous = cuda.set_runtime(fake)
-    try:
-        yield fake
-    finally:
-        cuda.set_runtime(previous)
-
-
-def test_failure_at_chunk_k_rolls_back_in_reverse(fake_cuda: FakeCuda, no_leaked_fds: None) -> None:
+def test_failure_at_chunk_k_rolls_back_in_reverse(
+    fake_cuda: helpers.FakeCuda, no_leaked_fds: None
+) -> None:
     fake_cuda.fail_at = 3
     alloc = ShmHostTensorAllocator("pin", pin=True, pin_chunk_bytes=MiB)
     with pytest.raises(AllocationError, match="cudaHostRegister"):
@@ -69,7 +30,7 @@ def test_failure_at_chunk_k_rolls_back_in_reverse(fake_cuda: FakeCuda, no_leaked
     assert alloc.regions == []
 
 
-def test_chunks_are_page_aligned_and_recorded(fake_cuda: FakeCuda) -> None:
+def test_chunks_are_page_aligned_and_recorded(fake_cuda: helpers.FakeCuda) -> None:
     with HostPoolManager() as manager:
         alloc = manager.allocator("pinned", pin=True, pin_chunk_bytes=3 * MiB + 5)
         t = alloc.allocate((10 * MiB,), torch.uint8)
@@ -84,7 +45,7 @@ def test_chunks_are_page_aligned_and_recorded(fake_cuda: FakeCuda) -> None:
     assert fake_cuda.problems == []
 
 
-def test_dropped_pinned_region_is_unregistered_before_unmap(fake_cuda: FakeCuda) -> None:
+def test_dropped_pinned_region_is_unregistered_before_unmap(fake_cuda: helpers.FakeCuda) -> None:
     alloc = ShmHostTensorAllocator("pingc", pin=True, pin_chunk_bytes=2 * MiB)
     t = alloc.allocate((4 * MiB,), torch.uint8)
     view = t[:10]

@@ -3,7 +3,6 @@ each ends in the typed error or the counted fallback it should, never a crash.""
 
 from __future__ import annotations
 
-import errno
 import os
 import subprocess
 
@@ -14,7 +13,6 @@ from hostpool import AllocationError, HostPoolManager, ShmHostTensorAllocator
 from hostpool.lifecycle import get_ledger
 from hostpool.memory import cuda
 from tests import helpers
-from tests.test_pinning import FakeCuda
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MiB = 1 << 20
@@ -57,20 +55,8 @@ def test_fd_limit_just_above_the_current_count() -> None:
 
 
 def test_memfd_unavailable_and_madvise_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hostpool.memory import syscalls
-
-    def no_memfd(name: str, flags: int) -> int:
-        raise OSError(errno.ENOSYS, "injected: no memfd_create")
-
-    real_madvise = syscalls.madvise
-
-    def no_populate(address: int, length: int, advice: int) -> None:
-        if advice == syscalls.MADV_POPULATE_WRITE:
-            raise OSError(errno.EINVAL, "injected: no MADV_POPULATE_WRITE")
-        real_madvise(address, length, advice)
-
-    monkeypatch.setattr(syscalls, "memfd_create", no_memfd)
-    monkeypatch.setattr(syscalls, "madvise", no_populate)
+    helpers.no_memfd(monkeypatch)
+    helpers.no_madv_populate(monkeypatch)
     auto = ShmHostTensorAllocator("seam")
     t = auto.allocate((2 * MiB,), torch.uint8)
     region = auto.regions[0]
@@ -83,7 +69,7 @@ def test_memfd_unavailable_and_madvise_unsupported(monkeypatch: pytest.MonkeyPat
 
 
 def test_cuda_registration_failing_at_chunk_k() -> None:
-    fake = FakeCuda(fail_at=2)
+    fake = helpers.FakeCuda(fail_at=2)
     previous = cuda.set_runtime(fake)
     try:
         with HostPoolManager() as manager:
