@@ -134,6 +134,8 @@ class Ledger:
         self.live_count: collections.Counter[tuple[str, str]] = collections.Counter()
         self.live_modes: collections.Counter[tuple[str, str]] = collections.Counter()
         self.live_pinned: collections.Counter[str] = collections.Counter()
+        # Bytes each allocator's regions map (live or not yet gone): the budget's "held".
+        self._owner_bytes: collections.Counter[int] = collections.Counter()
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -192,6 +194,7 @@ class Ledger:
             pool = region.pool
             entry.pinned = region.pinned_bytes
             self._count_live(entry, 1)
+            self._owner_bytes[entry.owner] += region.mapped_bytes
             if pool not in self.known_pools:
                 self.known_pools[pool] = None
             self.allocations_total[(pool, entry.allocator)] += 1
@@ -231,7 +234,7 @@ class Ledger:
                 elif self._peers.get(region_id):
                     entry.state = "released_shared"
                 else:
-                    del self._entries[region_id]
+                    self._forget(region_id)
                 self._finished.append(("explicit", entry))
                 result = gone
         return result
@@ -262,6 +265,8 @@ class Ledger:
                 # Peers still map it: keep it visible until the last one detaches.
                 entry.state = "released_shared"
                 self._entries[region_id] = entry
+            else:
+                self._owner_bytes[entry.owner] -= entry.region.mapped_bytes
 
     def set_peers(self, region_id: int, peers: int) -> None:
         """The share server's count of peers holding a region (0 forgets it)."""
@@ -272,7 +277,16 @@ class Ledger:
             self._peers.pop(region_id, None)
             entry = self._entries.get(region_id)
             if entry is not None and entry.state == "released_shared":
-                del self._entries[region_id]
+                self._forget(region_id)
+
+    def _forget(self, region_id: int) -> None:
+        entry = self._entries.pop(region_id)
+        self._owner_bytes[entry.owner] -= entry.region.mapped_bytes
+
+    def held_bytes(self, owners: Iterable[int]) -> int:
+        """Bytes the regions of these allocators map (what a budget counts as held)."""
+        with self._locked():
+            return sum(self._owner_bytes.get(o, 0) for o in owners)
 
     def peers(self, region_id: int) -> int:
         return self._peers.get(region_id, 0)
@@ -331,6 +345,7 @@ class Ledger:
         self._births = []
         self._callback = None
         self._peers = {}
+        self._owner_bytes.clear()
         for live in (self.live_bytes, self.live_count, self.live_modes, self.live_pinned):
             live.clear()
         self.pid = os.getpid()

@@ -12,7 +12,7 @@ from hostpool.budget import Admission, BudgetPolicy, as_policy
 from hostpool.errors import InvalidRequestError
 from hostpool.lifecycle import AllocationRecord, Ledger, get_ledger
 from hostpool.memory.options import validate_pool_name
-from hostpool.memory.units import format_size
+from hostpool.units import format_size
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,7 @@ class HostPoolManager:
         return {a._id for a in self._allocators.values()}
 
     def _held_bytes(self) -> int:
-        owners = self._owner_ids()
-        return sum(e.region.mapped_bytes for e in self._ledger.entries() if e.owner in owners)
+        return self._ledger.held_bytes(self._owner_ids())
 
     def snapshot(self) -> list[AllocationRecord]:
         """Plain records of this manager's regions (live and released-still-mapped)."""

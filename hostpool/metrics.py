@@ -10,7 +10,6 @@ names as plain metrics with explicit `multiprocess_mode`, refreshed by a thread.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import time
 import weakref
@@ -32,7 +31,7 @@ from hostpool.errors import FAILURE_REASONS
 from hostpool.lifecycle import DURATION_BUCKETS, Ledger, get_ledger
 from hostpool.memory import kernel
 from hostpool.memory.hugepages import FALLBACK_REASONS
-from hostpool.memory.units import format_size
+from hostpool.units import format_size
 
 POPULATE_MODES = ("madvise", "map_populate", "touch", "none")
 RELEASE_HOWS = ("explicit", "finalizer")
@@ -188,7 +187,6 @@ def measure(ledger: Ledger) -> dict[str, dict[tuple[str, ...], Any]]:
     # What only the kernel knows, measured now: one fstat (or mincore) per region.
     open_fds: dict[tuple[str, ...], float] = defaultdict(float)
     released: dict[tuple[str, ...], float] = defaultdict(float)
-    fstat = os.fstat
     for entry in ledger.entries():  # the per-region loop: keep it tight (bench/scrape.py)
         region = entry.region
         state = entry.state
@@ -202,27 +200,11 @@ def measure(ledger: Ledger) -> dict[str, dict[tuple[str, ...], Any]]:
                 (pool, entry.allocator, _page_label(region.page_size)),
             )
         pool_key, size_key = keys
+        fds, resident_now = region.scrape()  # one fstat (or mincore), inode-checked
+        open_fds[pool_key] += fds
         if state != "live":
-            open_fds[pool_key] += region.open_fd_count()
             released[pool_key] += region.mapped_bytes
-            continue
-        box = region._fd_box
-        if box and region.dev_ino is not None:
-            # Live and fd-backed: its own fd plus mmap's dup. One fstat, checked against
-            # the recorded inode (a number may name another file once released).
-            open_fds[pool_key] += 2
-            try:
-                st = fstat(box[0])
-            except (OSError, IndexError):
-                continue
-            if (st.st_dev, st.st_ino) == region.dev_ino:
-                blocks = st.st_blocks * 512
-                resident[size_key] += (
-                    blocks if blocks < region.mapped_bytes else region.mapped_bytes
-                )
         else:
-            fds, resident_now = region.scrape()
-            open_fds[pool_key] += fds
             resident[size_key] += resident_now
     out["hostpool_open_fds"].update(open_fds)
     out["hostpool_released_mapped_bytes"].update(released)

@@ -146,3 +146,18 @@ def test_over_a_cgroup_v1_memory_limit(root: None) -> None:
         assert "limit 536870912 bytes" in proc.stdout
     finally:
         os.rmdir(group)
+
+
+def test_collected_and_shared_bytes_come_back_to_the_budget() -> None:
+    import gc
+
+    with HostPoolManager(budget=8 * MiB) as manager:
+        alloc = manager.allocator("gcbudget")
+        t = alloc.allocate((6 * MiB,), torch.uint8)
+        assert manager.budget_reserved_bytes == 6 * MiB
+        del t
+        gc.collect()  # the finalizer releases it: held bytes follow
+        assert manager.budget_reserved_bytes == 0
+        t = alloc.allocate((6 * MiB,), torch.uint8)
+        alloc.close()
+        del t

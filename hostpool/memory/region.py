@@ -187,15 +187,8 @@ class Region:
         fd-backed: `fstat().st_blocks` (~3 us at any size, hugetlb included); anonymous:
         `mincore` (~5 ms per 4 GiB) while a strong reference keeps the range mapped.
         """
-        fd = self.fd
-        if self.dev_ino is not None and fd is not None:
-            try:
-                st = os.fstat(fd)
-            except OSError:
-                return 0
-            if (st.st_dev, st.st_ino) != self.dev_ino:
-                return 0  # released meanwhile; the number now names another file
-            return min(self.mapped_bytes, st.st_blocks * 512)
+        if self.dev_ino is not None:
+            return self.scrape()[1]
         keep = self.mmap() if self._mm_ref is not None else None
         if keep is None:
             keep = self._holder_ref() if self._holder_ref is not None else None
