@@ -55,17 +55,10 @@ def format_size(nbytes: int) -> str:
 
 
 def meminfo() -> dict[str, int]:
-    """/proc/meminfo in bytes (HugePages_* counts stay counts)."""
-    out: dict[str, int] = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            parts = rest.split()
-            if not parts:
-                continue
-            value = int(parts[0])
-            out[key] = value * KiB if len(parts) > 1 and parts[1] == "kB" else value
-    return out
+    """/proc/meminfo in bytes, read by the same code the budget uses."""
+    from hostpool.memory.kernel import meminfo as read
+
+    return read()
 
 
 def read_text(path: str) -> str | None:

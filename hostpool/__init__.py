@@ -6,8 +6,9 @@ must not pay for torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hostpool._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -76,15 +77,4 @@ if TYPE_CHECKING:
     from hostpool.lifecycle import AllocationRecord, get_ledger
     from hostpool.manager import HostPoolManager, LeakReport
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hostpool' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports("hostpool", _EXPORTS, globals())

@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 
 from hostpool.errors import AllocationError, InvalidRequestError
 from hostpool.memory import cgroup, kernel
-from hostpool.memory.units import format_size
+from hostpool.units import format_size
 
 
 @runtime_checkable

@@ -16,7 +16,7 @@ from hostpool.memory import cgroup, cuda, kernel
 from hostpool.memory.create import _choose_populate
 from hostpool.memory.hugepages import plan_hugepages
 from hostpool.memory.options import RegionOptions
-from hostpool.memory.units import format_size
+from hostpool.units import format_size
 
 
 def _limit(value: int) -> int | None:

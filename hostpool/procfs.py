@@ -415,15 +415,6 @@ def check_readable(pid: int) -> None:
             raise ProcessAccessError(pid, path) from None
 
 
-def format_size(n: int) -> str:
-    """4KiB, 2MiB, 1.5GiB (the same form as hostpool.memory's, without importing torch)."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            value = n / scale
-            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
-    return f"{n}B"
-
-
 def _access_message(pid: Pid, path: str) -> str:
     owner = ""
     try:

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from hostpool.memory.units import format_size, parse_size
+from hostpool.units import format_size, parse_size
 
 
 def add_parser(sub: Any) -> None:

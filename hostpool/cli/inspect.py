@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from hostpool import procfs, procgroup
+from hostpool.units import format_size
 
 CLEAR_SCREEN = "\033[H\033[2J"
 
@@ -177,9 +178,9 @@ def render_table(snapshot: dict[str, Any], out: TextIO, *, watching: bool = Fals
             str(p["objects"]),
             str(p["open_fds"]),
             str(p["mappings"]),
-            procfs.format_size(p["mapped_bytes"]),
-            procfs.format_size(p["resident_bytes"]),
-            ",".join(procfs.format_size(s) for s in p["page_sizes"]) or "-",
+            format_size(p["mapped_bytes"]),
+            format_size(p["resident_bytes"]),
+            ",".join(format_size(s) for s in p["page_sizes"]) or "-",
         )
         for p in pools
     ]

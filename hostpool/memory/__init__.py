@@ -4,7 +4,7 @@ from hostpool.memory.create import create_region
 from hostpool.memory.hugepages import plan_hugepages
 from hostpool.memory.options import RegionOptions
 from hostpool.memory.region import Region, tensor_over
-from hostpool.memory.units import format_size, parse_size
+from hostpool.units import format_size, parse_size
 
 __all__ = [
     "Region",

@@ -9,7 +9,7 @@ from typing import Literal
 from hostpool.errors import HugepageUnavailableError
 from hostpool.memory import kernel
 from hostpool.memory.options import RegionOptions
-from hostpool.memory.units import format_size
+from hostpool.units import format_size
 
 Kind = Literal["shm", "mmap", "torch"]
 

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from hostpool.errors import InvalidRequestError
 from hostpool.memory import kernel
-from hostpool.memory.units import parse_size
+from hostpool.units import parse_size
 
 HugepageMode = Literal["off", "prefer", "required"]
 PopulateMode = Literal["auto", "madvise", "map_populate", "touch", "none"]

@@ -7,8 +7,9 @@ pay for torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hostpool._lazy import lazy_exports
 
 _EXPORTS = {
     "HostPool": "hostpool.pools.assembler",
@@ -73,15 +74,4 @@ if TYPE_CHECKING:
         size_pool,
     )
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hostpool.pools' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports("hostpool.pools", _EXPORTS, globals())

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Iterator
 
 from hostpool.errors import AllocationError, InvalidRequestError
-from hostpool.memory.units import format_size, parse_size
+from hostpool.units import format_size, parse_size
 
 LOCK_NAME = ".lock"
 SUFFIX = ".resv"

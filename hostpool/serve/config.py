@@ -13,7 +13,7 @@ from typing import Any
 from hostpool.config import load_file
 from hostpool.errors import ConfigError, HostPoolError
 from hostpool.memory.options import RegionOptions, validate_pool_name
-from hostpool.memory.units import parse_size
+from hostpool.units import parse_size
 
 DEFAULT_CHUNK = 256 << 20
 # Small enough for any laptop, shaped like a hybrid model's host cache.

@@ -34,6 +34,7 @@ from types import TracebackType
 from typing import Any
 
 from hostpool import procfs, procgroup
+from hostpool.units import format_size
 
 DEFAULT_PREFIXES: tuple[str, ...] = (procfs.HOSTPOOL_PREFIX,)
 
@@ -75,7 +76,7 @@ class Leak:
     stack: str | None = None  # where, when stacks are tracked
 
     def describe(self) -> str:
-        parts = [f"pool {self.pool!r}: {self.kind} {self.name}, {procfs.format_size(self.size)}"]
+        parts = [f"pool {self.pool!r}: {self.kind} {self.name}, {format_size(self.size)}"]
         if self.fds:
             parts.append(f"fd {', '.join(map(str, self.fds))}")
         if self.mappings:
