@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import fields
 
 import torch
 import yaml
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from hostpool import HostPoolError, ShmHostTensorAllocator, get_allocator_type
 from hostpool.errors import ConfigError
+from hostpool.memory.options import RegionOptions
 from hostpool.serve.config import from_mapping
 
 scalars = st.one_of(
@@ -30,21 +32,7 @@ dtypes = st.one_of(
     scalars,
 )
 option_values = st.dictionaries(
-    st.sampled_from(
-        [
-            "hugepages",
-            "hugepage_size",
-            "populate",
-            "populate_threads",
-            "pin",
-            "pin_chunk_bytes",
-            "numa_node",
-            "shm_backend",
-            "fallback_dir",
-            "name_prefix",
-            "bogus",
-        ]
-    ),
+    st.sampled_from([f.name for f in fields(RegionOptions)] + ["bogus"]),
     st.one_of(
         scalars, st.sampled_from(["off", "prefer", "required", "auto", "none", "2MB", "1GB"])
     ),
