@@ -24,7 +24,7 @@ _EXPORTS = {
     "alloc_shm": "hostpool.allocators",
     "alloc_mmap": "hostpool.allocators",
     "get_allocator_type": "hostpool.allocators",
-    "AllocationRecord": "hostpool.lifecycle",
+    "AllocationRecord": "hostpool.records",
     "get_ledger": "hostpool.lifecycle",
     "HostPoolError": "hostpool.errors",
     "InvalidRequestError": "hostpool.errors",
@@ -74,7 +74,8 @@ if TYPE_CHECKING:
         HugepageUnavailableError,
         InvalidRequestError,
     )
-    from hostpool.lifecycle import AllocationRecord, get_ledger
+    from hostpool.lifecycle import get_ledger
     from hostpool.manager import HostPoolManager, LeakReport
+    from hostpool.records import AllocationRecord
 
 __getattr__, __dir__ = lazy_exports("hostpool", _EXPORTS, globals())

@@ -20,11 +20,12 @@ import torch
 from hostpool import events
 from hostpool.config import load_mapping
 from hostpool.errors import AllocationError, ConfigError, HostPoolError, InvalidRequestError
-from hostpool.lifecycle import Ledger, capture_stack, get_ledger
+from hostpool.lifecycle import Ledger, get_ledger
 from hostpool.memory.create import create_region
 from hostpool.memory.hugepages import Kind, plan_hugepages
 from hostpool.memory.options import RegionOptions, validate_pool_name
 from hostpool.memory.region import Region, tensor_over
+from hostpool.records import capture_stack
 
 # Anything past this is a typo or an overflow, not a KV cache (64 TiB).
 MAX_REQUEST_BYTES = 1 << 46

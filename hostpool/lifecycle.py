@@ -20,13 +20,13 @@ import contextlib
 import functools
 import os
 import threading
-import traceback
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from hostpool import events
 from hostpool.memory.region import Region
+from hostpool.records import AllocationRecord, record_of
 
 # Births and deaths queued before the hot path settles them itself.
 _SETTLE_EVERY = 256
@@ -36,44 +36,6 @@ DURATION_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class AllocationRecord:
-    """One region as the ledger knows it: plain values, JSON-serialisable."""
-
-    id: int
-    pool: str
-    allocator: str
-    kind: str
-    backend: str
-    name: str | None
-    state: str  # "live", "released_mapped" (views live) or "released_shared" (peers map it)
-    requested_bytes: int
-    mapped_bytes: int
-    page_size: int
-    address: int
-    fd: int | None
-    open_fds: int
-    device: int | None
-    inode: int | None
-    created_at: float
-    populate_mode: str
-    populate_seconds: float
-    hugepage_fallbacks: tuple[str, ...]
-    seals: int
-    numa_node: int | None
-    pinned_bytes: int
-    stack: str | None
-    dims: tuple[int, ...] = ()
-    dtype: str = "torch.uint8"
-    peers: int = 0  # processes holding it through `share`
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["hugepage_fallbacks"] = list(self.hugepage_fallbacks)
-        d["dims"] = list(self.dims)
-        return d
 
 
 @dataclass
@@ -312,7 +274,7 @@ class Ledger:
         """Plain records of live and released-still-mapped regions, oldest first."""
         wanted = set(pools) if pools is not None else None
         return [
-            _record(e, self._peers.get(e.region.id, 0))
+            record_of(e, self._peers.get(e.region.id, 0))
             for e in self.entries()
             if (wanted is None or e.region.pool in wanted) and (owners is None or e.owner in owners)
         ]
@@ -368,38 +330,6 @@ def _notify_gone(
     queue.append((generation, rid, how))
 
 
-def _record(entry: _Entry, peers: int = 0) -> AllocationRecord:
-    r = entry.region
-    return AllocationRecord(
-        id=r.id,
-        pool=r.pool,
-        allocator=entry.allocator,
-        kind=r.kind,
-        backend=r.backend,
-        name=r.name,
-        state=entry.state,
-        requested_bytes=r.requested_bytes,
-        mapped_bytes=r.mapped_bytes,
-        page_size=r.page_size,
-        address=r.address,
-        fd=r.fd,
-        open_fds=r.open_fd_count(),
-        device=r.dev_ino[0] if r.dev_ino else None,
-        inode=r.dev_ino[1] if r.dev_ino else None,
-        created_at=r.created_at,
-        populate_mode=r.populate_mode,
-        populate_seconds=r.populate_seconds,
-        hugepage_fallbacks=r.hugepage_fallbacks,
-        seals=r.seals,
-        numa_node=r.numa_node,
-        pinned_bytes=r.pinned_bytes,
-        stack=entry.stack,
-        dims=entry.dims,
-        dtype=entry.dtype,
-        peers=peers,
-    )
-
-
 def _emit_releases(finished: list[tuple[str, _Entry]]) -> None:
     for how, entry in finished:
         r = entry.region
@@ -412,13 +342,6 @@ def _emit_releases(finished: list[tuple[str, _Entry]]) -> None:
             name=r.name,
             still_mapped=entry.state == "released_mapped",
         )
-
-
-def capture_stack(skip: int = 2) -> str:
-    """The caller's stack, innermost last, without hostpool's own frames."""
-    frames = traceback.extract_stack()[:-skip]
-    keep = [f for f in frames if "/hostpool/" not in f.filename.replace(os.sep, "/")]
-    return "".join(traceback.format_list(keep or frames))
 
 
 _ledger = Ledger()

@@ -10,8 +10,9 @@ from hostpool import events
 from hostpool.allocators import HostTensorAllocator, allocator_class
 from hostpool.budget import Admission, BudgetPolicy, as_policy
 from hostpool.errors import InvalidRequestError
-from hostpool.lifecycle import AllocationRecord, Ledger, get_ledger
+from hostpool.lifecycle import Ledger, get_ledger
 from hostpool.memory.options import validate_pool_name
+from hostpool.records import AllocationRecord
 from hostpool.units import format_size
 
 

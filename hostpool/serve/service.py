@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from hostpool import events
-from hostpool.lifecycle import AllocationRecord
 from hostpool.manager import HostPoolManager, LeakReport
+from hostpool.records import AllocationRecord
 from hostpool.serve.config import PoolSpec, ServeConfig
 
 # progress(pool, done_bytes, total_bytes)
