@@ -18,6 +18,15 @@ Variants:
                              shared, mm.madvise(MADV_POPULATE_WRITE)
   anon_mmap_madvise          anonymous shared mmap + mm.madvise(MADV_POPULATE_WRITE)
   torch_empty_zero           torch.empty(n, dtype=torch.uint8).zero_()  (the baseline)
+  bare_hugetlb_madvise       a 2 MiB hugetlb memfd and one MADV_POPULATE_WRITE call, nothing
+                             else: the kernel's own cost (it zeroes every hugepage it hands
+                             out), so the most any 2 MiB allocator can reach
+
+Page states (`--pages`), since on a VM the history of a page decides its fault cost:
+  warm     every child faults in and frees n bytes just before timing (host-backed pages)
+  natural  no preparation: whatever the previous child left (order-dependent)
+  cold     the parent waits until the kernel's free page reporting goes quiet, so memory
+           freed by earlier children has gone back to the host, as idle memory does
 
 2 MiB hugepages are reserved once for the whole run through /proc/sys/vm/nr_hugepages
 (restored afterwards), then warmed by one discarded run: freshly reserved pages are cold.
@@ -28,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import ctypes.util
 import json
 import mmap
 import os
@@ -48,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import (
     RESULTS_DIR,
     GiB,
+    KiB,
     MiB,
     format_size,
     loadavg,
@@ -61,11 +73,19 @@ from bench._common import (
 )
 
 RESULTS = RESULTS_DIR / "populate.json"
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc_madvise = _libc.madvise
+_libc_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc_madvise.restype = ctypes.c_int
 MADV_POPULATE_WRITE = 23
 HUGEPAGE_2MB = 2 * MiB
 HUGEPAGE_SLACK = 64  # pages beyond the largest size: the pool may hold a page or two
 CHILD_TIMEOUT_S = 600.0
 PREWARM_MARGIN = 64 * MiB
+PAGE_REPORTING = Path("/sys/module/page_reporting/parameters")
+REPORTING_QUIET_BYTES = 64 * MiB  # a reporting pass under this counts as quiet
+REPORTING_QUIET_PASSES = 2  # ... this many passes in a row
+REPORTING_TIMEOUT_S = 120.0
 BASELINE = "torch_empty_zero"
 
 VARIANTS: dict[str, str] = {
@@ -86,13 +106,22 @@ VARIANTS: dict[str, str] = {
         "mmap(-1, MAP_SHARED|MAP_ANONYMOUS) + mm.madvise(MADV_POPULATE_WRITE) + torch.frombuffer"
     ),
     "torch_empty_zero": "torch.empty(n, dtype=torch.uint8).zero_()",
+    "bare_hugetlb_madvise": (
+        "memfd_create(MFD_HUGETLB|MFD_HUGE_2MB) + ftruncate + mmap(MAP_SHARED) + one libc "
+        "madvise(MADV_POPULATE_WRITE) + torch.frombuffer: the kernel's floor for 2 MiB pages"
+    ),
 }
-HUGEPAGE_VARIANTS = frozenset({"hostpool_shm_2mb"})
+HUGEPAGE_VARIANTS = frozenset({"hostpool_shm_2mb", "bare_hugetlb_madvise"})
 PAGES_HELP = {
     "warm": "each child faults in and frees n bytes of anonymous memory (untimed) just "
     "before timing, so every variant gets host-backed pages from the free lists",
     "natural": "no pre-fault: pages are as the previous child and free page reporting "
     "left them (on this VM unbacked pages fault ~8x slower; order-dependent)",
+    "cold": "before each child the parent waits until the kernel's free page reporting "
+    f"goes quiet ({REPORTING_QUIET_PASSES} passes in a row under "
+    f"{format_size(REPORTING_QUIET_BYTES)}), so pages freed by earlier children are back "
+    "with the host, as idle memory is when a server starts; the kernel keeps a remainder "
+    "unreported and hands it out first, and the reserved hugetlb pool is never reported",
 }
 
 
@@ -136,6 +165,15 @@ TARGETS = (
         4.0,
         None,
         "hostpool shm with 2 MiB hugepages >= 4x torch.empty().zero_()",
+    ),
+    Target(
+        "hugepages_vs_bare_kernel",
+        "aim",
+        "hostpool_shm_2mb",
+        "bare_hugetlb_madvise",
+        0.9,
+        None,
+        "hostpool shm with 2 MiB hugepages >= 0.9x the bare kernel call (aim)",
     ),
 )
 
@@ -202,6 +240,25 @@ def make_anon(n: int) -> Made:
     return Made(tensor, tensor.data_ptr(), None, _close_mapping(holder, None))
 
 
+def make_bare_hugetlb(n: int) -> Made:
+    fd = os.memfd_create(
+        f"bench_hugetlb_{os.getpid()}", os.MFD_CLOEXEC | os.MFD_HUGETLB | os.MFD_HUGE_2MB
+    )
+    os.ftruncate(fd, n)
+    mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED)
+    view = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(view)
+    del view  # an export would keep mm.close() from unmapping
+    if _libc_madvise(address, n, MADV_POPULATE_WRITE) != 0:  # GIL released, one thread
+        err = ctypes.get_errno()
+        mm.close()
+        os.close(fd)
+        raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+    tensor = _frombuffer(mm, n)
+    holder = {"mm": mm}
+    return Made(tensor, tensor.data_ptr(), fd, _close_mapping(holder, fd))
+
+
 def make_torch(n: int) -> Made:
     import torch
 
@@ -258,6 +315,7 @@ MAKERS: dict[str, tuple[Callable[[], None], Callable[[int], Made]]] = {
     "vllm_devshm_madvise": (_prepare_torch, make_vllm),
     "anon_mmap_madvise": (_prepare_torch, make_anon),
     "torch_empty_zero": (_prepare_torch, make_torch),
+    "bare_hugetlb_madvise": (_prepare_torch, make_bare_hugetlb),
 }
 
 
@@ -392,6 +450,57 @@ class HugepageReservation:
             except OSError as exc:
                 self.facts["restore_error"] = str(exc)
         self.old = None
+
+
+class FreePageReporting:
+    """Progress of the kernel's free page reporting (virtio-balloon hands free memory back
+    to the host), where the kernel shows it: `reported_kib` and `passes` under
+    /sys/module/page_reporting/parameters. Mainline kernels show neither; bare metal has
+    no reporting at all, and there `cold` is the same as `natural`."""
+
+    IDLE_S = 10.0  # no pass for this long: nothing is left to report
+
+    def __init__(self, root: Path = PAGE_REPORTING) -> None:
+        self.root = root
+
+    def counters(self) -> tuple[int, int] | None:
+        """(bytes reported so far, passes so far), or None where the kernel hides them."""
+        kib = read_text(str(self.root / "reported_kib"))
+        passes = read_text(str(self.root / "passes"))
+        if kib is None or passes is None:
+            return None
+        return int(kib) * KiB, int(passes)
+
+    def wait_quiet(self) -> dict[str, Any]:
+        """Block until REPORTING_QUIET_PASSES passes in a row report under
+        REPORTING_QUIET_BYTES each (or no pass comes for IDLE_S); what it took."""
+        first = self.counters()
+        if first is None:
+            raise RuntimeError(f"{self.root} shows no reported_kib/passes")
+        t0 = last_change = time.monotonic()
+        last_bytes, last_passes = first
+        quiet = 0
+        outcome = "quiet"
+        while quiet < REPORTING_QUIET_PASSES:
+            now = time.monotonic()
+            if now - t0 > REPORTING_TIMEOUT_S:
+                outcome = "timed_out"
+                break
+            if now - last_change > self.IDLE_S:
+                outcome = "idle"
+                break
+            time.sleep(0.2)
+            reported, passes = self.counters() or (last_bytes, last_passes)
+            if passes == last_passes:
+                continue
+            quiet = quiet + 1 if reported - last_bytes < REPORTING_QUIET_BYTES else 0
+            last_bytes, last_passes, last_change = reported, passes, time.monotonic()
+        return {
+            "outcome": outcome,
+            "waited_s": time.monotonic() - t0,
+            "reported_bytes": last_bytes - first[0],
+            "passes": last_passes - first[1],
+        }
 
 
 def spawn(variant: str, n: int, pages: str) -> dict[str, Any]:
@@ -588,8 +697,11 @@ def run_all(
                     for position, variant in enumerate(order):
                         if variant in HUGEPAGE_VARIANTS and reservation is not None:
                             reservation.top_up()
+                        reporting = FreePageReporting().wait_quiet() if pages == "cold" else None
                         sample = spawn(variant, n, pages)
                         sample.update(run=run, position=position)
+                        if reporting is not None:
+                            sample["reporting_wait"] = reporting
                         samples.append(sample)
                         shown = (
                             f"error: {sample['error']}"
@@ -676,6 +788,12 @@ def main() -> int:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    if args.pages == "cold" and FreePageReporting().counters() is None:
+        parser.error(
+            f"--pages cold needs {PAGE_REPORTING}/reported_kib and passes to tell when free "
+            "page reporting is done; this kernel does not show them (without reporting, "
+            "as on bare metal, cold is the same as --pages natural)"
+        )
     need = max(sizes) * 2 + GiB
     available = meminfo().get("MemAvailable", 0)
     if available < need:
