@@ -138,22 +138,29 @@ def run_forked(fn: object, *, uid: int | None = None, timeout: float = 60) -> tu
     return os.waitstatus_to_exitcode(status), b"".join(chunks).decode()
 
 
+def python_child(
+    code: str, *args: str, ready: str = "ready", stdin: bool = True
+) -> subprocess.Popen[str]:
+    """`python -c code args` from the repository root; returns once it prints `ready`."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        cwd=root,
+        stdin=subprocess.PIPE if stdin else None,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == ready
+    return proc
+
+
 def attached_peer(path: str, pool: str) -> subprocess.Popen[str]:
     """A real peer process attached to `pool` at `path`, holding it until its stdin closes."""
     code = (
         "import sys\nfrom hostpool.share import attach\n"
         f"h = attach({path!r}, {pool!r})\nprint('attached', flush=True)\nsys.stdin.read()\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    peer = subprocess.Popen(
-        [sys.executable, "-c", code],
-        cwd=root,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert peer.stdout is not None and peer.stdout.readline().strip() == "attached"
-    return peer
+    return python_child(code, ready="attached")
 
 
 class FakeCuda:

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import helpers
+
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -55,14 +57,8 @@ def start_child(tag: str) -> Iterator[Callable[[], subprocess.Popen[str]]]:
     children: list[subprocess.Popen[str]] = []
 
     def start() -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, tag],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        proc = helpers.python_child(CHILD, tag)
         children.append(proc)
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
         return proc
 
     yield start

@@ -9,8 +9,6 @@ import mmap
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -24,7 +22,6 @@ from hostpool.errors import ShareError
 from hostpool.share import PoolShareServer, attach, protocol
 from tests import helpers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 
 
@@ -103,14 +100,7 @@ PoolShareServer(m, {path!r}).start()
 print("ready", flush=True)
 sys.stdin.read()
 """
-    srv = subprocess.Popen(
-        [sys.executable, "-c", server_code],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert srv.stdout is not None and srv.stdout.readline().strip() == "ready"
+    srv = helpers.python_child(server_code)
     h = attach(path, "kv")
     srv.send_signal(signal.SIGKILL)
     srv.wait()

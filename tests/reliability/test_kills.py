@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -13,8 +12,6 @@ import pytest
 from hostpool.errors import ShareError
 from hostpool.share import attach
 from tests import helpers
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _serve(tmp: str, *args: str) -> tuple[subprocess.Popen[str], str]:
@@ -89,10 +86,7 @@ print("go", flush=True)
 for backend in ("memfd", "devshm"):
     ShmHostTensorAllocator("big", shm_backend=backend).allocate((2 << 30,), torch.uint8)
 """
-    worker = subprocess.Popen(
-        [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True
-    )
-    assert worker.stdout is not None and worker.stdout.readline().strip() == "go"
+    worker = helpers.python_child(code, ready="go", stdin=False)
     time.sleep(1.0)  # inside populate of the first 2 GiB
     worker.send_signal(signal.SIGKILL)
     assert worker.wait() == -signal.SIGKILL
