@@ -30,6 +30,8 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNOREC
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _libc.mincore.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -112,6 +114,14 @@ def machine_facts() -> dict[str, Any]:
 
 def utc_now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def madvise(address: int, length: int, advice: int) -> None:
+    """libc madvise (the GIL is released for the call, unlike mmap.madvise); OSError on
+    failure."""
+    if _libc.madvise(address, length, advice) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise({advice}): {os.strerror(err)}")
 
 
 def resident_bytes(address: int, length: int) -> int:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import ctypes.util
 import json
 import mmap
 import os
@@ -63,6 +62,7 @@ from bench._common import (
     format_size,
     loadavg,
     machine_facts,
+    madvise,
     meminfo,
     parse_size,
     resident_bytes,
@@ -80,10 +80,6 @@ from bench._pages import (
 )
 
 RESULTS = RESULTS_DIR / "populate.json"
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc_madvise = _libc.madvise
-_libc_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc_madvise.restype = ctypes.c_int
 CHILD_TIMEOUT_S = 600.0
 BASELINE = "torch_empty_zero"
 
@@ -248,11 +244,12 @@ def make_bare_hugetlb(n: int) -> Made:
     view = ctypes.c_char.from_buffer(mm)
     address = ctypes.addressof(view)
     del view  # an export would keep mm.close() from unmapping
-    if _libc_madvise(address, n, MADV_POPULATE_WRITE) != 0:  # GIL released, one thread
-        err = ctypes.get_errno()
+    try:
+        madvise(address, n, MADV_POPULATE_WRITE)  # one call, one thread
+    except OSError:
         mm.close()
         os.close(fd)
-        raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+        raise
     tensor = _frombuffer(mm, n)
     holder = {"mm": mm}
     return Made(tensor, tensor.data_ptr(), fd, _close_mapping(holder, fd))
