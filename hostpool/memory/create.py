@@ -251,6 +251,8 @@ def _create(
         syscalls.mbind(address, mapped, options.numa_node)  # before any page is faulted
     if plan.thp:
         syscalls.madvise(address, mapped, syscalls.MADV_HUGEPAGE)
+    elif plan.thp_avoid:
+        syscalls.madvise(address, mapped, syscalls.MADV_NOHUGEPAGE)
     t_pop = time.perf_counter()
     used = _populate(b, populate_mode, address, mapped, page_size, options)
     populate_seconds = time.perf_counter() - t_pop

@@ -33,6 +33,7 @@ MAP_HUGE_SHIFT = 26
 
 # madvise advice values.
 MADV_HUGEPAGE = 14
+MADV_NOHUGEPAGE = 15
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
 
@@ -87,7 +88,11 @@ def mincore_resident_pages(address: int, length: int) -> int:
     vec = (ctypes.c_ubyte * pages)()
     if _libc.mincore(address, length, vec) != 0:
         _raise_errno("mincore")
-    return sum(b & 1 for b in bytes(vec))
+    # Only bit 0 means "resident" (the others are reserved): keep it, count in C.
+    return bytes(vec).translate(_LOW_BIT).count(1)
+
+
+_LOW_BIT = bytes(b & 1 for b in range(256))
 
 
 def name_anonymous_mapping(address: int, length: int, name: str) -> bool:
