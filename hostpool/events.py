@@ -14,16 +14,26 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import structlog
-
 stdlib_logger = logging.getLogger("hostpool")
-_log = structlog.wrap_logger(stdlib_logger)
+_log: Any = None
+
+
+def _structlog() -> Any:
+    """structlog, wrapped around the stdlib logger at the first event that passes the
+    level check: importing it costs 30-400 ms (it pulls in rich where rich is installed),
+    which a process that logs nothing should not pay on its first allocation."""
+    global _log
+    if _log is None:
+        import structlog
+
+        _log = structlog.wrap_logger(stdlib_logger)
+    return _log
 
 
 def emit(event: str, level: int = logging.INFO, **fields: Any) -> None:
     """Emit `event` (a dotted name such as `hostpool.alloc`) with key-value fields."""
     if stdlib_logger.isEnabledFor(level):
-        _log.log(level, event, **fields)
+        _structlog().log(level, event, **fields)
 
 
 def debug(event: str, **fields: Any) -> None:
