@@ -10,12 +10,22 @@ any process using hostpool-named memfds): `hostpool exporter --match PREFIX` or
 | `hostpool_exporter_mapped_bytes` | prefix, pool | bytes of their mappings |
 | `hostpool_exporter_resident_bytes` | prefix, pool | of those, bytes in memory (Rss + hugetlb) |
 | `hostpool_exporter_mappings` | prefix, pool | mappings (VMAs split by madvise count once) |
-| `hostpool_exporter_processes` | prefix | processes holding a matching fd or mapping |
+| `hostpool_exporter_pools_folded` | prefix | pools summed into `pool="_other"` (over the cap) |
+| `hostpool_exporter_processes` | prefix | `--match` only: processes holding a match |
+| `hostpool_exporter_target_up` | pid | `--pid` only: 1 while the process exists, 0 once it exited |
 | `hostpool_exporter_scrape_duration_seconds` | | time this scrape spent reading /proc |
 
+Only the prefixes the operator asked for (`--match`) appear; `--pid` watches every known
+prefix but shows only those the process uses, and never exports
+`hostpool_exporter_processes` (so `HostpoolExporterNoProcesses` means a `--match` found
+nothing). Any user can name a memfd `hostpool.<anything>.1.1`: past `max_pools` pools
+per prefix, the smallest (by resident, then mapped bytes) are summed into one
+`pool="_other"` series, so the series count stays bounded.
+
 Sums over processes count an object shared by two processes twice (each maps it).
-Processes this user may not read are skipped (run as root or as the server's user);
-the first scrape that meets one logs `hostpool.exporter_unreadable`.
+Processes this user may not read are skipped; the first scrape that meets one logs
+`hostpool.exporter_unreadable` with what is missing. A process that exits while it is
+being read is skipped.
 """
 
 from __future__ import annotations
@@ -28,8 +38,10 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hostpool import events, procfs, procgroup
+from hostpool.textsafe import printable
 
 LABELS = ["prefix", "pool"]
+OTHER_POOL = "_other"
 
 
 @dataclass
@@ -39,60 +51,117 @@ class _Totals:
     resident_bytes: int = 0
     mappings: int = 0
 
+    def add(self, other: _Totals | procgroup.PoolUsage) -> None:
+        self.open_fds += other.open_fds
+        self.mapped_bytes += other.mapped_bytes
+        self.resident_bytes += other.resident_bytes
+        self.mappings += other.mappings
+
 
 class ProcfsCollector(Collector):
-    """Exports one process (`pid`, every known prefix) or all processes matching `match`."""
+    """Exports one process (`pid`, every known prefix) or all processes matching `match`,
+    with at most `max_pools` pool series per prefix."""
 
-    def __init__(self, *, pid: int | None = None, match: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        pid: int | None = None,
+        match: Sequence[str] = (),
+        max_pools: int,
+    ) -> None:
         if (pid is None) == (not match):
             raise ValueError("ProcfsCollector needs exactly one of pid= or match=")
+        if max_pools < 2:
+            raise ValueError("max_pools must be at least 2 (one pool and _other)")
         self.pid = pid
         self.prefixes = tuple(match) if match else procfs.KNOWN_PREFIXES
+        self.max_pools = max_pools
         self._warned_unreadable = False
+        self._warned_folded: set[str] = set()
 
     def describe(self) -> Iterable[Metric]:
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
         started = time.perf_counter()
-        processes = self._processes()
-        totals: dict[tuple[str, str], _Totals] = {}
+        processes, target_up = self._processes()
+        totals: dict[str, dict[str, _Totals]] = {}
         holders = dict.fromkeys(self.prefixes, 0)
         for process in processes:
             seen: set[str] = set()
             for usage in procgroup.pool_usage(procgroup.group_objects(process)):
-                t = totals.setdefault((usage.prefix, usage.pool), _Totals())
-                t.open_fds += usage.open_fds
-                t.mapped_bytes += usage.mapped_bytes
-                t.resident_bytes += usage.resident_bytes
-                t.mappings += usage.mappings
+                pools = totals.setdefault(usage.prefix, {})
+                pools.setdefault(usage.pool, _Totals()).add(usage)
                 seen.add(usage.prefix)
             for prefix in seen:
                 holders[prefix] += 1
-        fds, mapped, resident, mappings, procs, duration = self._families()
-        for (prefix, pool), t in sorted(totals.items()):
-            fds.add_metric([prefix, pool], t.open_fds)
-            mapped.add_metric([prefix, pool], t.mapped_bytes)
-            resident.add_metric([prefix, pool], t.resident_bytes)
-            mappings.add_metric([prefix, pool], t.mappings)
-        for prefix, count in holders.items():
-            procs.add_metric([prefix], count)
+        fds, mapped, resident, mappings, folded, procs, target, duration = self._families()
+        # --match: every prefix asked for; --pid: only the prefixes the process uses
+        prefixes = self.prefixes if self.pid is None else sorted(totals)
+        for prefix in prefixes:
+            kept, n_folded = self._fold(prefix, totals.get(prefix, {}))
+            for pool, t in kept:
+                fds.add_metric([prefix, pool], t.open_fds)
+                mapped.add_metric([prefix, pool], t.mapped_bytes)
+                resident.add_metric([prefix, pool], t.resident_bytes)
+                mappings.add_metric([prefix, pool], t.mappings)
+            folded.add_metric([prefix], n_folded)
+        if self.pid is None:
+            for prefix, count in holders.items():
+                procs.add_metric([prefix], count)
+        else:
+            target.add_metric([str(self.pid)], 1 if target_up else 0)
         duration.add_metric([], time.perf_counter() - started)
-        return [fds, mapped, resident, mappings, procs, duration]
+        return [fds, mapped, resident, mappings, folded, procs, target, duration]
 
-    def _processes(self) -> list[procfs.ProcessShm]:
+    def _fold(
+        self, prefix: str, pools: dict[str, _Totals]
+    ) -> tuple[list[tuple[str, _Totals]], int]:
+        """The pools to export for `prefix` (at most max_pools series) and how many were
+        summed into `_other`. The largest stay: a flood of empty names cannot push a real
+        pool out without holding more memory than it."""
+        if len(pools) <= self.max_pools:
+            return sorted(pools.items()), 0
+        ranked = sorted(
+            pools.items(),
+            key=lambda kv: (-kv[1].resident_bytes, -kv[1].mapped_bytes, -kv[1].open_fds, kv[0]),
+        )
+        kept = [(pool, t) for pool, t in ranked[: self.max_pools - 1] if pool != OTHER_POOL]
+        other = _Totals()
+        names = {pool for pool, _ in kept}
+        for pool, t in pools.items():
+            if pool not in names:
+                other.add(t)
+        n_folded = len(pools) - len(kept)
+        if prefix not in self._warned_folded:
+            self._warned_folded.add(prefix)
+            events.warning(
+                "hostpool.exporter_pools_folded",
+                prefix=printable(prefix),
+                pools=len(pools),
+                kept=len(kept),
+                folded=n_folded,
+            )
+        return [*sorted(kept), (OTHER_POOL, other)], n_folded
+
+    def _processes(self) -> tuple[list[procfs.ProcessShm], bool]:
+        """The processes to sum, and (for --pid) whether the target still exists."""
         if self.pid is not None:
             try:
-                return [procfs.read_process(self.pid, self.prefixes)]
+                return [procfs.read_process(self.pid, self.prefixes)], True
             except procfs.ProcessNotFoundError:
-                return []  # it exited: the gauges drop to nothing, processes to 0
+                return [], False  # it exited: its gauges go, target_up drops to 0
             except procfs.ProcessAccessError as exc:
                 self._warn_unreadable(1, str(exc))
-                return []
+                return [], True
         result = procgroup.scan(self.prefixes)
         if result.unreadable:
-            self._warn_unreadable(result.unreadable, "run as root or as the servers' user")
-        return result.processes
+            self._warn_unreadable(
+                result.unreadable,
+                "run as root with CAP_SYS_PTRACE, or as the servers' user "
+                "(`hostpool inspect PID` of one says what is missing)",
+            )
+        return result.processes, True
 
     def _warn_unreadable(self, count: int, detail: str) -> None:
         if not self._warned_unreadable:
@@ -122,9 +191,19 @@ class ProcfsCollector(Collector):
             labels=LABELS,
         )
         yield GaugeMetricFamily(
-            "hostpool_exporter_processes",
-            "Processes holding a matching shared-memory fd or mapping.",
+            "hostpool_exporter_pools_folded",
+            'Pools beyond the per-prefix cap, summed into the pool="_other" series.',
             labels=["prefix"],
+        )
+        yield GaugeMetricFamily(
+            "hostpool_exporter_processes",
+            "Processes holding a matching shared-memory fd or mapping (--match only).",
+            labels=["prefix"],
+        )
+        yield GaugeMetricFamily(
+            "hostpool_exporter_target_up",
+            "1 while the --pid process exists, 0 once it exited (--pid only).",
+            labels=["pid"],
         )
         yield GaugeMetricFamily(
             "hostpool_exporter_scrape_duration_seconds",

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from hostpool.errors import HostPoolError
+from hostpool.procaccess import why_denied, why_not_found
 
 HOSTPOOL_PREFIX: Final = "hostpool."
 SGLANG_PREFIX: Final = "sglang_host_pool_"
@@ -36,6 +37,9 @@ NO_POOL: Final = "-"
 Pid = int | Literal["self"]
 Kind = Literal["memfd", "file", "anon"]
 
+# what /proc raises for a process that has exited (or an fd closed) since it was listed:
+# ENOENT once its entries are gone, ESRCH while it is being torn down
+_GONE: Final = (FileNotFoundError, ProcessLookupError)
 _DELETED: Final = " (deleted)"
 _MEMFD: Final = "/memfd:"
 _DEVSHM: Final = "/dev/shm/"
@@ -49,20 +53,33 @@ class ProcfsError(HostPoolError):
 
 
 class ProcessNotFoundError(ProcfsError, LookupError):
-    """No such process (or it exited while being read)."""
+    """No such process (or it exited while being read); `hint` says what else can make a
+    process look absent (hidepid, a PID namespace), when the caller asked."""
 
-    def __init__(self, pid: Pid) -> None:
-        super().__init__(f"no process with pid {pid}")
+    def __init__(self, pid: Pid, hint: str = "") -> None:
+        super().__init__(f"no process with pid {pid}" + (f" visible here: {hint}" if hint else ""))
         self.pid = pid
+        self.hint = hint
 
 
 class ProcessAccessError(ProcfsError, PermissionError):
-    """The process exists but this user may not read its fds or mappings."""
+    """The process exists but this user may not read its fds or mappings.
+
+    The message names what is missing (procaccess.why_denied); it is worked out when
+    first shown, not when raised: a scan meets hundreds of these per pass.
+    """
 
     def __init__(self, pid: Pid, path: str) -> None:
-        super().__init__(_access_message(pid, path))
+        super().__init__(pid, path)
         self.pid = pid
         self.path = path
+        self._message: str | None = None
+
+    def __str__(self) -> str:
+        if self._message is None:
+            pid = os.getpid() if self.pid == "self" else self.pid
+            self._message = f"permission denied reading {self.path}: {why_denied(pid)}"
+        return self._message
 
 
 # -- names ----------------------------------------------------------------------------
@@ -135,7 +152,7 @@ def shm_fds(pid: Pid, prefixes: Sequence[str] = KNOWN_PREFIXES) -> list[ShmFd]:
     fd_dir = f"/proc/{pid}/fd"
     try:
         dir_fd = os.open(fd_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except (FileNotFoundError, ProcessLookupError):
+    except _GONE:
         raise ProcessNotFoundError(pid) from None
     except PermissionError:
         raise ProcessAccessError(pid, fd_dir) from None
@@ -151,12 +168,14 @@ def _shm_fds_in(dir_fd: int, pid: Pid, fd_dir: str, prefixes: Sequence[str]) -> 
     out: list[ShmFd] = []
     try:
         entries = os.listdir(dir_fd)
+    except _GONE:  # exited between the open and the listing
+        raise ProcessNotFoundError(pid) from None
     except PermissionError:
         raise ProcessAccessError(pid, fd_dir) from None
     for entry in entries:
         try:
             target = os.readlink(entry, dir_fd=dir_fd)
-        except (FileNotFoundError, ProcessLookupError):
+        except _GONE:
             continue  # closed since the listing (or our own dir_fd's listing entry)
         except PermissionError:
             raise ProcessAccessError(pid, fd_dir) from None
@@ -171,7 +190,7 @@ def _shm_fds_in(dir_fd: int, pid: Pid, fd_dir: str, prefixes: Sequence[str]) -> 
             continue
         try:
             st = os.stat(entry, dir_fd=dir_fd)
-        except (FileNotFoundError, ProcessLookupError):
+        except _GONE:
             continue
         out.append(ShmFd(int(entry), target, classified[0], parsed, st.st_dev, st.st_ino,
                          st.st_size, st.st_blocks * 512))  # fmt: skip
@@ -285,7 +304,7 @@ def read_proc_bytes(pid: Pid, path: str) -> bytes:
     try:
         with open(path, "rb") as f:
             return f.read()
-    except (FileNotFoundError, ProcessLookupError):
+    except _GONE:
         raise ProcessNotFoundError(pid) from None
     except PermissionError:
         raise ProcessAccessError(pid, path) from None
@@ -295,7 +314,7 @@ def read_proc_text(pid: Pid, path: str) -> str:
     try:
         with open(path, encoding="utf-8", errors="surrogateescape") as f:
             return f.read()
-    except (FileNotFoundError, ProcessLookupError):
+    except _GONE:
         raise ProcessNotFoundError(pid) from None
     except PermissionError:
         raise ProcessAccessError(pid, path) from None
@@ -397,34 +416,28 @@ def read_process(
 
 
 def check_readable(pid: int) -> None:
-    """Raise ProcessNotFoundError / ProcessAccessError now rather than mid-report."""
-    import psutil
-
-    if pid <= 0 or not psutil.pid_exists(pid):
+    """Raise ProcessNotFoundError / ProcessAccessError now rather than mid-report; a
+    missing process's error says what else can hide one (hidepid, a PID namespace)."""
+    if pid <= 0:
         raise ProcessNotFoundError(pid)
     for path in (f"/proc/{pid}/fd", f"/proc/{pid}/maps"):
         try:
             if path.endswith("/fd"):
                 os.listdir(path)
-            else:
+            else:  # the fds' links need the same ptrace read access as maps
                 with open(path, "rb") as f:
                     f.read(1)
-        except (FileNotFoundError, ProcessLookupError):
-            raise ProcessNotFoundError(pid) from None
+        except _GONE:
+            raise ProcessNotFoundError(pid, why_not_found(pid)) from None
         except PermissionError:
             raise ProcessAccessError(pid, path) from None
 
 
-def _access_message(pid: Pid, path: str) -> str:
-    owner = ""
+def command_name(pid: Pid) -> str | None:
+    """The process's command name (/proc/PID/comm, chosen by the process: escape it
+    before printing), or None if it cannot be read."""
     try:
-        import psutil
-
-        uid = psutil.Process(pid if isinstance(pid, int) else os.getpid()).uids().real
-        owner = f" (it runs as uid {uid}; you are uid {os.geteuid()})"
-    except Exception:  # the message is best effort; the error itself is what matters
-        pass
-    return (
-        f"permission denied reading {path}{owner}: "
-        "run as the process's user or as root (ptrace access is required)"
-    )
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="surrogateescape") as f:
+            return f.read().removesuffix("\n")
+    except OSError:
+        return None

@@ -219,3 +219,23 @@ def no_memfd(monkeypatch: Any) -> None:
         raise OSError(errno.ENOSYS, "injected: memfd_create unavailable")
 
     monkeypatch.setattr(syscalls, "memfd_create", fake)
+
+
+def hostpool_on_tty(*args: str, timeout: float = 60) -> tuple[int, str]:
+    """Run the real `hostpool ARGS` with stdout on a pseudo-terminal: (exit code, output)."""
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "hostpool", *args], stdout=follower)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:  # EIO: the child closed the pty
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    return proc.wait(timeout=timeout), b"".join(chunks).decode(errors="replace")

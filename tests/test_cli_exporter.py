@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
 import subprocess
 import sys
 import textwrap
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests import helpers
+from tests import exporting, helpers
+from tests.exporting import scrape, value
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -43,8 +41,6 @@ CHILD = textwrap.dedent(
     """
 )
 
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
 
 @pytest.fixture
 def tag() -> str:
@@ -70,41 +66,15 @@ def start_child(tag: str) -> Iterator[Callable[[], subprocess.Popen[str]]]:
 @pytest.fixture
 def start_exporter() -> Iterator[Callable[..., str]]:
     """Starts `hostpool exporter ARGS --port 0`; returns its /metrics URL (from its log)."""
-    servers: list[subprocess.Popen[str]] = []
+    servers: list[exporting.Exporter] = []
 
     def start(*args: str) -> str:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hostpool", "exporter", *args, "--port", "0"],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        servers.append(proc)
-        assert proc.stderr is not None
-        line = proc.stderr.readline()
-        event = json.loads(line)  # stderr is not a TTY: JSON log lines
-        assert event["event"] == "hostpool.exporter_serving", line
-        url: str = event["url"]
-        assert url.startswith("http://127.0.0.1:")
-        return url
+        servers.append(exporting.start_exporter(*args))
+        return servers[-1].url
 
     yield start
-    for proc in servers:
-        proc.terminate()
-        assert proc.wait(timeout=30) == 0  # SIGTERM is a clean stop
-
-
-def scrape(url: str) -> tuple[str, Samples]:
-    with urllib.request.urlopen(url, timeout=30) as response:
-        text = response.read().decode()
-    samples: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[(s.name, frozenset(s.labels.items()))] = s.value
-    return text, samples
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[(name, frozenset(labels.items()))]
+    for server in servers:
+        server.stop()  # SIGTERM is a clean stop
 
 
 def promtool_check(text: str) -> None:
@@ -142,7 +112,7 @@ def test_match_sums_raw_sglang_memfds_over_processes(
     assert value(samples, "hostpool_exporter_processes", prefix=prefix) == 2
 
 
-def test_pid_exports_every_known_prefix_until_the_process_exits(
+def test_pid_exports_the_prefixes_it_uses_until_the_process_exits(
     start_child: Callable[[], subprocess.Popen[str]],
     start_exporter: Callable[..., str],
 ) -> None:
@@ -156,13 +126,15 @@ def test_pid_exports_every_known_prefix_until_the_process_exits(
     assert value(samples, "hostpool_exporter_open_fds", **kv) == 2
     assert value(samples, "hostpool_exporter_mapped_bytes", **kv) == 64 * KiB
     assert value(samples, "hostpool_exporter_resident_bytes", **kv) == 0  # never touched
-    assert value(samples, "hostpool_exporter_processes", prefix="hostpool.") == 1
+    assert value(samples, "hostpool_exporter_target_up", pid=str(child.pid)) == 1
+    # --pid feeds no HostpoolExporterNoProcesses: that gauge is --match's
+    assert not [k for k in samples if k[0] == "hostpool_exporter_processes"]
     promtool_check(text)
 
     child.kill()
     child.wait()
     text, samples = scrape(url)
-    assert value(samples, "hostpool_exporter_processes", prefix="hostpool.") == 0
+    assert value(samples, "hostpool_exporter_target_up", pid=str(child.pid)) == 0
     assert not [k for k in samples if k[0] == "hostpool_exporter_open_fds"]
     promtool_check(text)
 
@@ -177,3 +149,24 @@ def test_missing_pid_exits_2_before_serving() -> None:
     )
     assert result.returncode == 2
     assert f"no process with pid {pid_max + 1}" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--match", "x", "--port", "99999"], "port must be 0..65535, got 99999"),
+        (["--match", "x", "--port", "http"], "port must be a whole number, got 'http'"),
+        (["--pid", "-3"], "pid must be 1..4194304, got -3"),
+        (["--match", "x", "--max-pools", "1"], "--max-pools must be 2..10000, got 1"),
+    ],
+)
+def test_bad_arguments_are_one_line_usage_errors(args: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hostpool", "exporter", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    # a usage error, not a traceback (the one-line format is the CLI parser's)
+    assert message in result.stderr.splitlines()[-1] and "Traceback" not in result.stderr

@@ -5,13 +5,15 @@ from __future__ import annotations
 import io
 import json
 import os
-import pty
+import re
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -152,36 +154,66 @@ def test_prefix_option_selects_names(shm_child: Child) -> None:
 
 def test_plain_text_off_a_tty_and_a_table_on_one(shm_child: Child) -> None:
     plain = inspect(str(shm_child.pid)).stdout.splitlines()
+    head = plain[0].split()
+    assert head[:3] == ["process", f"pid={shm_child.pid}", "command=python"]
+    stamp = datetime.fromisoformat(head[3].removeprefix("time="))
+    assert abs(stamp.timestamp() - time.time()) < 60 and stamp.tzinfo is not None
+    assert head[4:] == ["pools=4", "findings=4"]
     assert (
-        f"pool prefix=hostpool. pool=beta objects=1 fds=2 mappings=1 mapped_bytes={512 * KiB} "
-        f"resident_bytes={512 * KiB} page_sizes={PAGE}"
+        "pool prefix=hostpool. pool=beta objects=1 fds=2 mappings=1 mapped=512KiB "
+        "resident=512KiB page_sizes=4KiB"
+    ) in plain
+    assert (
+        "pool prefix=hostpool. pool=alpha objects=2 fds=5 mappings=3 mapped=4MiB "
+        "resident=32KiB page_sizes=4KiB"
     ) in plain
     assert any(line.startswith("finding kind=mapped_twice prefix=hostpool. pool=alpha ")
                for line in plain)  # fmt: skip
 
-    leader, follower = pty.openpty()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hostpool", "inspect", str(shm_child.pid)], stdout=follower
-    )
-    os.close(follower)
-    chunks = []
-    while True:
-        try:
-            data = os.read(leader, 65536)
-        except OSError:  # EIO: the child closed the pty
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.close(leader)
-    assert proc.wait(timeout=60) == 0
-    table = b"".join(chunks).decode().splitlines()
+    code, text = helpers.hostpool_on_tty("inspect", str(shm_child.pid))
+    assert code == 0
+    table = text.splitlines()
+    assert re.fullmatch(
+        rf"pid {shm_child.pid} \(python\) at \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d \S+", table[0]
+    ), table[0]
     assert table[1].split() == [
         "PREFIX", "POOL", "OBJECTS", "FDS", "MAPPINGS", "MAPPED", "RESIDENT", "PAGE"
     ]  # fmt: skip
     assert ["hostpool.", "beta", "1", "2", "1", "512KiB", "512KiB", "4KiB"] in [
         line.split() for line in table
     ]
+
+
+def test_a_process_without_shared_memory_is_said_so() -> None:
+    child = helpers.python_child("print('ready', flush=True); import sys; sys.stdin.read()")
+    try:
+        result = inspect(str(child.pid))
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines()[0].split(" ", 5)[4:] == [
+            "pools=0",
+            'findings=0 note="no shared memory named hostpool. or sglang_host_pool_"',
+        ]
+        code, text = helpers.hostpool_on_tty("inspect", str(child.pid), "--prefix", "myapp_")
+        assert code == 0
+        assert text.rstrip().endswith(": no shared memory named myapp_"), text
+        assert text.startswith(f"pid {child.pid} (python) at ")
+        doc = json.loads(inspect(str(child.pid), "--json").stdout)
+        assert (doc["pools"], doc["objects"], doc["command"]) == ([], [], "python")
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_check_exits_1_on_findings_for_scripts(shm_child: Child) -> None:
+    result = inspect(str(shm_child.pid), "--check")
+    assert result.returncode == 1
+    assert result.stderr == f"hostpool inspect: 4 finding(s) in pid {shm_child.pid}\n"
+    assert "finding kind=mapped_twice" in result.stdout  # the report is still printed
+    clean = inspect(str(shm_child.pid), "--check", "--json", "--prefix", "hostpool.beta")
+    assert (clean.returncode, json.loads(clean.stdout)["findings"]) == (0, [])
+    both = inspect(str(shm_child.pid), "--check", "--watch", "1")
+    assert both.returncode == 2
+    assert "not allowed with argument" in both.stderr
 
 
 def test_watch_repeats_and_exits_1_when_the_process_ends(shm_child: Child) -> None:
@@ -231,4 +263,5 @@ def test_an_unreadable_process_exits_1_with_a_permission_message(
     code, text = helpers.run_forked(inspect_as_nobody, uid=65534)
     assert code == 0, text
     assert text.startswith("code=1 out='' err=hostpool inspect: permission denied reading "), text
-    assert "(it runs as uid 0; you are uid 65534)" in text
+    assert "it runs as uid 0 gid 0 and you as uid 65534 gid 65534;" in text
+    assert "needs CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH" in text

@@ -190,7 +190,11 @@ def test_missing_and_forbidden_processes_raise_distinct_errors(root: None) -> No
 
     code, text = helpers.run_forked(read_pid1, uid=65534)
     assert code == 0, text
-    assert text.startswith("permission denied reading /proc/1/fd (it runs as uid 0"), text
+    assert text.startswith(
+        "permission denied reading /proc/1/fd: it runs as uid 0 gid 0 and you as uid 65534 "
+        "gid 65534; reading another user's process needs CAP_SYS_PTRACE and "
+        "CAP_DAC_READ_SEARCH"
+    ), text
 
 
 def test_scan_finds_other_processes_by_prefix() -> None:
@@ -221,3 +225,21 @@ def test_maps_lines_of_named_anonymous_regions_parse() -> None:
     assert anon is not None
     assert (anon.kind, anon.name.pool, anon.size, anon.ino) == ("anon", "kv", 2 * MiB, 0)
     assert procfs.parse_maps_line("7f00-7f01 r--p 00000000 fe:00 29775  /usr/lib/x.so") is None
+
+
+def test_a_process_reaped_between_opening_and_listing_its_fds_is_not_found() -> None:
+    """The exact window of a fork loop's race, made deterministic: /proc/PID/fd opened
+    while the process lives, listed after it was reaped (the kernel answers ENOENT)."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)  # fmt: skip
+    fd_dir = f"/proc/{child.pid}/fd"
+    dir_fd = os.open(fd_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        child.kill()
+        child.wait()
+        with pytest.raises(procfs.ProcessNotFoundError):
+            procfs._shm_fds_in(dir_fd, child.pid, fd_dir, procfs.KNOWN_PREFIXES)
+    finally:
+        os.close(dir_fd)
+        assert child.stdin is not None
+        child.stdin.close()

@@ -10,6 +10,11 @@ from types import FrameType
 from typing import Any
 
 from hostpool import events, procfs
+from hostpool.textsafe import printable
+
+# Real servers have a handful of pools (kv, swa, mamba, ...); sglang's raw names all
+# count as one (pool "-").
+DEFAULT_MAX_POOLS = 32
 
 
 def add_parser(sub: Any) -> None:
@@ -20,7 +25,7 @@ def add_parser(sub: Any) -> None:
         "pool, their shm fds, mapped and resident bytes, read at scrape time.",
     )
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--pid", type=int, help="one process, every known name prefix")
+    target.add_argument("--pid", type=_pid, help="one process, every known name prefix")
     target.add_argument(
         "--match",
         action="append",
@@ -28,7 +33,15 @@ def add_parser(sub: Any) -> None:
         help="every process holding a shm fd or mapping named PREFIX... (repeatable)",
     )
     p.add_argument("--host", default="127.0.0.1", help="listen address (127.0.0.1)")
-    p.add_argument("--port", type=int, default=9465, help="listen port (9465; 0 picks one)")
+    p.add_argument("--port", type=_port, default=9465, help="listen port (9465; 0 picks one)")
+    p.add_argument(
+        "--max-pools",
+        type=_max_pools,
+        default=DEFAULT_MAX_POOLS,
+        metavar="N",
+        help=f"pool series per prefix at most ({DEFAULT_MAX_POOLS}); the smallest pools past "
+        'it are summed into pool="_other" (any user can name memfds after a prefix)',
+    )
     p.set_defaults(run=run)
 
 
@@ -51,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(ProcfsCollector(pid=args.pid, match=args.match or ()))
+    registry.register(
+        ProcfsCollector(pid=args.pid, match=args.match or (), max_pools=args.max_pools)
+    )
     try:
         server, _thread = start_http_server(args.port, addr=args.host, registry=registry)
     except OSError as exc:
@@ -70,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         "hostpool.exporter_serving",
         url=f"http://{_url_host(args.host)}:{server.server_port}/metrics",
         pid=args.pid,
+        # chosen by the watched process: escaped, it cannot forge or garble a log line
+        command=printable(procfs.command_name(args.pid) or "?") if args.pid else None,
         match=args.match,
     )
     stop.wait()
@@ -80,3 +97,25 @@ def run(args: argparse.Namespace) -> int:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def _int_in(text: str, what: str, low: int, high: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be a whole number, got {text!r}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{what} must be {low}..{high}, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    return _int_in(text, "port", 0, 65535)
+
+
+def _pid(text: str) -> int:
+    return _int_in(text, "pid", 1, 2**22)  # the kernel's PID_MAX_LIMIT
+
+
+def _max_pools(text: str) -> int:
+    return _int_in(text, "--max-pools", 2, 10_000)

@@ -2,10 +2,12 @@
 
 Flags only what /proc can decide: a memfd held open but not mapped, a mapping whose
 object no fd of the process holds, and one object mapped twice. A table on a TTY,
-`key=value` lines otherwise, JSON with `--json` (one line per snapshot with `--watch`).
+`key=value` lines otherwise (both with human sizes and times, every name read from /proc
+escaped), JSON with `--json` (exact bytes and epoch times; one line per snapshot with
+`--watch`).
 
-Exit codes: 0 ok; 2 no such process; 1 not allowed to read it, or it exited while
-being watched.
+Exit codes: 0 ok; 2 no such process or bad usage; 1 not allowed to read it, it exited
+while being watched, or `--check` found something.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any, TextIO
 
 from hostpool import procfs, procgroup
+from hostpool.textsafe import field, printable
 from hostpool.units import format_size
 
 CLEAR_SCREEN = "\033[H\033[2J"
@@ -41,8 +45,11 @@ def add_parser(sub: Any) -> None:
         metavar="P",
         help="shm name prefix to report (repeatable; default: hostpool. and sglang_host_pool_)",
     )
-    p.add_argument("--watch", type=_positive_seconds, metavar="SECONDS",
-                   help="repeat every SECONDS until interrupted")  # fmt: skip
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--watch", type=_positive_seconds, metavar="SECONDS",
+                      help="repeat every SECONDS until interrupted")  # fmt: skip
+    mode.add_argument("--check", action="store_true",
+                      help="exit 1 when there are findings (for scripts)")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -80,11 +87,15 @@ def _loop(pid: int, prefixes: Sequence[str], args: argparse.Namespace) -> int:
         else:
             if args.watch and tty:
                 out.write(CLEAR_SCREEN)
-            (render_table if tty else render_plain)(snapshot, out, watching=bool(args.watch))
+            (render_table if tty else render_plain)(snapshot, out)
         out.flush()
         if not args.watch:
-            return 0
+            break
         time.sleep(args.watch)
+    found = len(snapshot["findings"])
+    if args.check and found:
+        return _fail(1, f"{found} finding(s) in pid {pid}")
+    return 0
 
 
 def report(pid: int, prefixes: Sequence[str]) -> dict[str, Any]:
@@ -92,6 +103,7 @@ def report(pid: int, prefixes: Sequence[str]) -> dict[str, Any]:
     objects = procgroup.group_objects(procfs.read_process(pid, prefixes))
     return {
         "pid": pid,
+        "command": procfs.command_name(pid),
         "time": time.time(),
         "prefixes": list(prefixes),
         "pools": [
@@ -143,38 +155,45 @@ def report(pid: int, prefixes: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def render_plain(snapshot: dict[str, Any], out: TextIO, *, watching: bool = False) -> None:
-    """One `key=value` line per pool and per finding: for grep, awk and scripts."""
-    if watching:
-        out.write(f"snapshot pid={snapshot['pid']} time={snapshot['time']:.3f}\n")
-    for p in snapshot["pools"]:
-        page_sizes = ",".join(map(str, p["page_sizes"])) or "-"
+def render_plain(snapshot: dict[str, Any], out: TextIO) -> None:
+    """A `process` line, then one `key=value` line per pool and per finding: for grep and
+    awk. Names are escaped and quoted when needed (`--json` has exact bytes)."""
+    pools, found = snapshot["pools"], snapshot["findings"]
+    head = (
+        f"process pid={snapshot['pid']} command={field(snapshot['command'] or '?')} "
+        f"time={_iso_time(snapshot['time'])} pools={len(pools)} findings={len(found)}"
+    )
+    if not pools:
+        head += f" note={field('no shared memory named ' + _prefixes(snapshot))}"
+    out.write(head + "\n")
+    for p in pools:
+        page_sizes = ",".join(format_size(s) for s in p["page_sizes"]) or "-"
         out.write(
-            f"pool prefix={p['prefix']} pool={p['pool']} objects={p['objects']} "
-            f"fds={p['open_fds']} mappings={p['mappings']} mapped_bytes={p['mapped_bytes']} "
-            f"resident_bytes={p['resident_bytes']} page_sizes={page_sizes}\n"
+            f"pool prefix={field(p['prefix'])} pool={field(p['pool'])} objects={p['objects']} "
+            f"fds={p['open_fds']} mappings={p['mappings']} mapped={format_size(p['mapped_bytes'])} "
+            f"resident={format_size(p['resident_bytes'])} page_sizes={page_sizes}\n"
         )
-    for f in snapshot["findings"]:
+    for f in found:
         fds = ",".join(map(str, f["fds"])) or "-"
         out.write(
-            f"finding kind={f['kind']} prefix={f['prefix']} pool={f['pool']} "
-            f"name={f['name']} fds={fds} detail={json.dumps(f['detail'])}\n"
+            f"finding kind={f['kind']} prefix={field(f['prefix'])} pool={field(f['pool'])} "
+            f"name={field(f['name'])} fds={fds} detail={field(f['detail'])}\n"
         )
 
 
-def render_table(snapshot: dict[str, Any], out: TextIO, *, watching: bool = False) -> None:
+def render_table(snapshot: dict[str, Any], out: TextIO) -> None:
     pools = snapshot["pools"]
-    when = time.strftime("%H:%M:%S", time.localtime(snapshot["time"]))
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(snapshot["time"]))
+    who = f"pid {snapshot['pid']} ({printable(snapshot['command'] or '?')}) at {when}"
     if not pools:
-        prefixes = ", ".join(snapshot["prefixes"])
-        out.write(f"pid {snapshot['pid']} ({when}): no shared memory named {prefixes}\n")
+        out.write(f"{who}: no shared memory named {_prefixes(snapshot)}\n")
         return
-    out.write(f"pid {snapshot['pid']} ({when})\n")
+    out.write(f"{who}\n")
     header = ("PREFIX", "POOL", "OBJECTS", "FDS", "MAPPINGS", "MAPPED", "RESIDENT", "PAGE")
     rows = [
         (
-            p["prefix"],
-            p["pool"],
+            printable(p["prefix"]),
+            printable(p["pool"]),
             str(p["objects"]),
             str(p["open_fds"]),
             str(p["mappings"]),
@@ -195,7 +214,18 @@ def render_table(snapshot: dict[str, Any], out: TextIO, *, watching: bool = Fals
         out.write("\nfindings:\n")
         for f in snapshot["findings"]:
             fds = f" (fd {', '.join(map(str, f['fds']))})" if f["fds"] else ""
-            out.write(f"  {f['kind']}: {f['name']} [pool {f['pool']}]: {f['detail']}{fds}\n")
+            out.write(
+                f"  {f['kind']}: {printable(f['name'])} [pool {printable(f['pool'])}]: "
+                f"{f['detail']}{fds}\n"
+            )
+
+
+def _prefixes(snapshot: dict[str, Any]) -> str:
+    return " or ".join(printable(p) for p in snapshot["prefixes"])
+
+
+def _iso_time(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch).astimezone().isoformat(timespec="seconds")
 
 
 def _positive_seconds(text: str) -> float:

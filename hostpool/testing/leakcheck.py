@@ -34,6 +34,7 @@ from types import TracebackType
 from typing import Any
 
 from hostpool import procfs, procgroup
+from hostpool.textsafe import printable
 from hostpool.units import format_size
 
 DEFAULT_PREFIXES: tuple[str, ...] = (procfs.HOSTPOOL_PREFIX,)
@@ -76,7 +77,9 @@ class Leak:
     stack: str | None = None  # where, when stacks are tracked
 
     def describe(self) -> str:
-        parts = [f"pool {self.pool!r}: {self.kind} {self.name}, {format_size(self.size)}"]
+        # the name is whatever the creator chose: escaped, it cannot forge report lines
+        name = printable(self.name)
+        parts = [f"pool {self.pool!r}: {self.kind} {name}, {format_size(self.size)}"]
         if self.fds:
             parts.append(f"fd {', '.join(map(str, self.fds))}")
         if self.mappings:
