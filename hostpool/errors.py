@@ -38,5 +38,14 @@ class HugepageUnavailableError(AllocationError):
         super().__init__(message, reason=reason)
 
 
+class Cancelled(BaseException):
+    """Work stopped on request (a stop signal while populating): not a failure, so not a
+    HostPoolError; like KeyboardInterrupt it passes `except Exception` handlers."""
+
+
 class ShareError(HostPoolError):
     """A pool could not be shared or attached: refused, unsafe to map, or malformed."""
+
+
+class ShareSocketInUseError(ShareError):
+    """A live server already answers at the share socket's path; it is left alone."""

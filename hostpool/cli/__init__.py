@@ -11,7 +11,9 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
+from hostpool.cli.logsetup import FORMATS, LEVELS
 from hostpool.errors import ConfigError, InvalidRequestError
 
 # Subcommand name -> module under hostpool.cli. Imported lazily so `hostpool doctor`
@@ -24,9 +26,34 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """Usage errors are one line (and exit 2), not the usage block plus a line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hostpool")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hostpool", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    parser = Parser(prog="hostpool", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"hostpool {_version()}")
+    parser.add_argument(
+        "--log-level", default="info", type=str.lower, choices=LEVELS, help="default info"
+    )
+    parser.add_argument(
+        "--log-format",
+        default="auto",
+        choices=FORMATS,
+        help="console or json lines on stderr (auto: console on a terminal, json otherwise)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for _name, module_name in SUBCOMMANDS.items():
         try:
@@ -44,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from hostpool.cli.logsetup import configure_logging
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     try:
         code: int = args.run(args)
     except (InvalidRequestError, ConfigError) as exc:

@@ -10,6 +10,7 @@ from types import FrameType
 from typing import Any
 
 from hostpool import events, procfs
+from hostpool.errors import ConfigError
 from hostpool.textsafe import printable
 
 # Real servers have a handful of pools (kv, swa, mamba, ...); sglang's raw names all
@@ -46,9 +47,10 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry, make_wsgi_app
 
     from hostpool.exporter import ProcfsCollector
+    from hostpool.listener import Listener, bind
 
     if args.pid is not None:
         try:
@@ -68,10 +70,9 @@ def run(args: argparse.Namespace) -> int:
         ProcfsCollector(pid=args.pid, match=args.match or (), max_pools=args.max_pools)
     )
     try:
-        server, _thread = start_http_server(args.port, addr=args.host, registry=registry)
-    except OSError as exc:
-        print(f"hostpool exporter: cannot listen on {args.host}:{args.port}: {exc.strerror}",
-              file=sys.stderr)  # fmt: skip
+        http = Listener(bind(args.host, args.port)).serve(make_wsgi_app(registry))
+    except ConfigError as exc:  # deadlines and a connection cap: see hostpool.listener
+        print(f"hostpool exporter: {exc}", file=sys.stderr)
         return 1
 
     stop = threading.Event()
@@ -83,20 +84,15 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     events.warning(  # the one line an operator needs, printed even unconfigured
         "hostpool.exporter_serving",
-        url=f"http://{_url_host(args.host)}:{server.server_port}/metrics",
+        url=f"http://{http.url_host}:{http.address[1]}/metrics",
         pid=args.pid,
         # chosen by the watched process: escaped, it cannot forge or garble a log line
         command=printable(procfs.command_name(args.pid) or "?") if args.pid else None,
         match=args.match,
     )
     stop.wait()
-    # no server.shutdown(): it waits out serve_forever's 0.5 s poll; the thread is a daemon
-    server.server_close()
+    http.stop()
     return 0
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 def _int_in(text: str, what: str, low: int, high: int) -> int:

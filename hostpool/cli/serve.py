@@ -1,4 +1,10 @@
-"""`hostpool serve`: allocate pools, serve /metrics, /debug/pools and /healthz until signalled."""
+"""`hostpool serve`: allocate pools, serve /metrics, /debug/pools and /healthz until signalled.
+
+Order matters to an operator: the whole configuration is checked (sizes against the
+budget and the host included) and the port is bound before torch is imported or a page
+is allocated, so every mistake is reported in well under a second. A stop signal during
+populate stops it within a span, releases what was made and exits 0 like any stop.
+"""
 
 from __future__ import annotations
 
@@ -10,23 +16,59 @@ from types import FrameType
 from typing import Any
 
 from hostpool import events
-from hostpool.errors import ConfigError, HostPoolError
+from hostpool.errors import AllocationError, Cancelled, ConfigError, HostPoolError
 from hostpool.serve import config as serve_config
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="hold host pools and serve their metrics")
+    p = sub.add_parser(
+        "serve",
+        help="hold host pools and serve their metrics",
+        description="Allocate the configured pools (memfd-backed by default), then serve "
+        "/metrics, /debug/pools and /healthz until SIGINT or SIGTERM. With neither --config "
+        "nor --pool, three small demo pools (kv 64MiB, swa 16MiB, mamba 8MiB) are used.",
+    )
     p.add_argument("--config", help="TOML (or JSON/YAML) file with [server] and [pools.NAME]")
-    p.add_argument("--pool", action="append", default=[], metavar="NAME=SIZE")
-    p.add_argument("--allocator", default=None, help="allocator for --pool pools (shm)")
+    p.add_argument(
+        "--pool",
+        action="append",
+        default=[],
+        metavar="NAME=SIZE",
+        help="a pool to allocate, repeatable, e.g. --pool kv=4GiB --pool swa=512MiB. NAME: "
+        "letters, digits, _ and - (at most 64). SIZE: bytes, or a number with a unit: "
+        "KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000). Replaces "
+        "the pools of --config.",
+    )
+    p.add_argument(
+        "--allocator",
+        default=None,
+        help="allocator for every pool: "
+        + ", ".join(serve_config.BUILTIN_ALLOCATORS)
+        + " (default shm: memfd-backed, shareable)",
+    )
     p.add_argument("--hugepages", default=None, choices=("off", "prefer", "required"))
-    p.add_argument("--host", default=None, help="listen address (127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="listen port (9464; 0 picks one)")
+    p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="listen port (default 9464; 0 picks one)")
     p.add_argument("--budget", default=None, help="bytes the pools may hold, e.g. 8GiB")
     p.add_argument("--host-budget", default=None, help="bytes all ranks on this host may hold")
     p.add_argument("--budget-dir", default=None, help="directory the ranks share the budget in")
-    p.add_argument("--share-socket", default=None, metavar="PATH")
+    p.add_argument(
+        "--share-socket",
+        default=None,
+        metavar="PATH",
+        help="also share the pools with other processes over a Unix socket at PATH (e.g. "
+        "/run/hostpool/share.sock); peers call hostpool.share.attach(PATH, POOL). A missing "
+        "parent directory is created private (0700); an existing one is left as it is",
+    )
     p.add_argument("--demo-load", action="store_true", help="run a demo workload")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the configuration, the sizes against this host and the port, then "
+        "exit (0 ok, 1 does not fit now, 2 invalid) without allocating",
+    )
     p.set_defaults(run=run)
 
 
@@ -41,6 +83,11 @@ def build_config(args: argparse.Namespace) -> serve_config.ServeConfig:
         pools: dict[str, Any] = {}
         for flag in args.pool:
             name, size = serve_config.parse_pool_flag(flag)
+            if name in pools:
+                raise ConfigError(
+                    f"--pool {name} is given twice ({pools[name]['size']} and {size}); "
+                    "give each pool once"
+                )
             table: dict[str, Any] = {"size": size}
             if args.allocator:
                 table["allocator"] = args.allocator
@@ -66,62 +113,91 @@ def build_config(args: argparse.Namespace) -> serve_config.ServeConfig:
     return serve_config.from_mapping(data)
 
 
-class _Progress:
-    """A bar on a TTY, a log line per quarter otherwise."""
+class _Stop:
+    """SIGINT/SIGTERM set an event; `announce` logs only while no stop was asked for."""
 
     def __init__(self) -> None:
-        self.tty = sys.stderr.isatty()
-        self._last: dict[str, int] = {}
+        self.event = threading.Event()
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
 
-    def __call__(self, pool: str, done: int, total: int) -> None:
-        if self.tty:
-            width = 30
-            filled = width * done // total
-            sys.stderr.write(
-                f"\r{pool:>12} [{'#' * filled}{'.' * (width - filled)}] "
-                f"{done >> 20}/{total >> 20} MiB"
-            )
-            if done == total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-            return
-        quarter = 4 * done // total
-        if quarter > self._last.get(pool, 0):
-            self._last[pool] = quarter
-            events.info("hostpool.populate_progress", pool=pool, done=done, total=total)
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if not self.event.is_set():
+            events.info("hostpool.serve_stopping", signal=signal.Signals(signum).name)
+        self.event.set()
+
+    def announce(self, event: str, **fields: Any) -> bool:
+        # Signals are held while checking and logging: no `serving` line after a stop.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            if self.event.is_set():
+                return False
+            events.info(event, **fields)
+            return True
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 
 def run(args: argparse.Namespace) -> int:
+    from hostpool import listener
+    from hostpool.serve import preflight
+
     cfg = build_config(args)
-    from hostpool.serve.http import ServiceHTTP
+    try:
+        preflight.check(cfg)
+    except AllocationError as exc:
+        print(f"hostpool serve: {exc}", file=sys.stderr)
+        return 1
+    sock = listener.bind(cfg.host, cfg.port)
+    if args.check:
+        sock.close()
+        print(
+            f"ok: {len(cfg.pools)} pools, "
+            + ", ".join(f"{p.name}={p.size}B ({p.allocator})" for p in cfg.pools)
+            + f"; listen {cfg.host}:{cfg.port}"
+        )
+        return 0
+    stop = _Stop()
+    try:
+        return _serve(cfg, sock, stop)
+    finally:
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+
+
+def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
+    from hostpool.cli.progress import PopulateProgress
+    from hostpool.listener import Listener
+    from hostpool.memory import populate
+    from hostpool.serve.http import service_app
     from hostpool.serve.service import PoolService
 
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        events.info("hostpool.serve_stopping", signal=signal.Signals(signum).name)
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-
+    http = Listener(sock)
+    if stop.event.is_set():  # stopped while torch was imported
+        sock.close()
+        events.info("hostpool.serve_stopped")
+        return 0
     service = PoolService(cfg)
     share = None
     demo = None
-    http = None
+    served = False
     try:
+        progress = PopulateProgress(sum(p.size for p in cfg.pools))
         try:
-            service.allocate_all(_Progress())
+            with progress, populate.cancel_on(stop.event, on_bytes=progress.populated):
+                service.allocate_all(progress, stop=stop.event)
+        except Cancelled:
+            pass
         except HostPoolError as exc:
             events.warning("hostpool.serve_failed", error=str(exc))
             print(f"hostpool serve: {exc}", file=sys.stderr)
             return 1
-        try:
-            http = ServiceHTTP(
-                cfg.host, cfg.port, debug=service.debug_document, healthy=lambda: not stop.is_set()
-            ).start()
-        except OSError as exc:
-            raise ConfigError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}") from exc
+        if stop.event.is_set():
+            return 0
+        http.serve(
+            service_app(debug=service.debug_document, healthy=lambda: not stop.event.is_set())
+        )
+        served = True
         if cfg.share_socket:
             from hostpool.share import PoolShareServer
 
@@ -130,23 +206,24 @@ def run(args: argparse.Namespace) -> int:
             from hostpool.serve.demo import DemoLoad
 
             demo = DemoLoad(service).start()
-        host, port = http.address
-        events.warning(  # the one line an operator needs, printed even unconfigured
+        stop.announce(
             "hostpool.serving",
-            url=f"http://{host}:{port}/metrics",
+            url=f"http://{http.url_host}:{http.address[1]}/metrics",
             pools=[p.name for p in cfg.pools],
             bytes=sum(p.size for p in cfg.pools),
         )
-        stop.wait()
+        stop.event.wait()
     finally:
         if demo is not None:
             demo.stop()
         if share is not None:
             share.close()
-        if http is not None:
+        if served:
             http.stop()
+        else:
+            sock.close()
         report = service.close()
         if report:
             events.warning("hostpool.serve_leaks", report=str(report))
-    events.info("hostpool.serve_stopped")
+        events.info("hostpool.serve_stopped")
     return 0

@@ -7,6 +7,7 @@ with a message an operator can act on.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,17 @@ _POOL_KEYS = {"size", "allocator", "chunk"} | {
 }
 _SERVER_KEYS = {"host", "port", "budget", "host_budget", "budget_dir", "share_socket", "demo_load"}
 DEFAULT_BUDGET_DIR = "/dev/shm/hostpool-budget"
+# hostpool.allocators' own registry, known without importing torch (a test keeps the two
+# equal); allocators registered in-process are seen once hostpool.allocators is imported.
+BUILTIN_ALLOCATORS = ("default", "mmap", "shm")
+
+
+def allocator_names() -> list[str]:
+    module = sys.modules.get("hostpool.allocators")
+    if module is None:
+        return sorted(BUILTIN_ALLOCATORS)
+    names: list[str] = module.allocator_names()
+    return names
 
 
 @dataclass(frozen=True)
@@ -84,8 +96,6 @@ def pool_spec(name: str, table: dict[str, Any], defaults: dict[str, Any] | None 
     size = _size(merged.pop("size"), f"{prefix}.size")
     chunk = _size(merged.pop("chunk", DEFAULT_CHUNK), f"{prefix}.chunk")
     allocator = merged.pop("allocator", "shm")
-    from hostpool.allocators import allocator_names
-
     if allocator not in allocator_names():
         raise ConfigError(f"{prefix}.allocator: unknown {allocator!r}; known: {allocator_names()}")
     for key, value in merged.items():

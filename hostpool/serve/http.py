@@ -1,24 +1,25 @@
-"""HTTP endpoints of `hostpool serve`: /metrics, /debug/pools, /healthz (loopback by default)."""
+"""HTTP endpoints of `hostpool serve`: /metrics, /debug/pools, /healthz (loopback by default).
+
+A WSGI application served by `hostpool.listener` (deadlines, a connection cap).
+"""
 
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     GC_COLLECTOR,
     PLATFORM_COLLECTOR,
     PROCESS_COLLECTOR,
     CollectorRegistry,
-    generate_latest,
+    make_wsgi_app,
 )
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from hostpool.listener import WSGIApp
 from hostpool.metrics import register_metrics
 
 del GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR  # the global ones stay untouched
@@ -33,72 +34,34 @@ def service_registry() -> CollectorRegistry:
     return registry
 
 
-class _Handler(BaseHTTPRequestHandler):
-    registry: CollectorRegistry
-    debug: Callable[[], dict[str, Any]]
-    healthy: Callable[[], bool]
+def service_app(
+    *,
+    debug: Callable[[], dict[str, Any]],
+    healthy: Callable[[], bool],
+    registry: CollectorRegistry | None = None,
+) -> WSGIApp:
+    """The three endpoints; anything else is a 404 naming them."""
+    metrics = make_wsgi_app(registry or service_registry())
 
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
         if path == "/metrics":
-            self._send(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
-        elif path == "/debug/pools":
-            body = json.dumps(self.debug(), indent=2, sort_keys=True).encode()
-            self._send(200, body, "application/json")
-        elif path == "/healthz":
-            ok = self.healthy()
-            self._send(200 if ok else 503, b"ok\n" if ok else b"stopping\n", "text/plain")
-        else:
-            self._send(404, b"not found: try /metrics, /debug/pools, /healthz\n", "text/plain")
+            return metrics(environ, start_response)  # type: ignore[no-any-return]
+        if path == "/debug/pools":
+            body = json.dumps(debug(), indent=2, sort_keys=True).encode()
+            return _send(start_response, "200 OK", body, "application/json")
+        if path == "/healthz":
+            if healthy():
+                return _send(start_response, "200 OK", b"ok\n", "text/plain")
+            return _send(start_response, "503 Service Unavailable", b"stopping\n", "text/plain")
+        body = b"not found: try /metrics, /debug/pools, /healthz\n"
+        return _send(start_response, "404 Not Found", body, "text/plain")
 
-    def _send(self, status: int, body: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # scrapes every second would flood the log
+    return app
 
 
-class ServiceHTTP:
-    """A threaded HTTP server on its own thread; `stop()` waits for it to finish."""
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        *,
-        debug: Callable[[], dict[str, Any]],
-        healthy: Callable[[], bool],
-        registry: CollectorRegistry | None = None,
-    ) -> None:
-        handler = type(
-            "Handler",
-            (_Handler,),
-            {
-                "registry": registry or service_registry(),
-                "debug": staticmethod(debug),
-                "healthy": staticmethod(healthy),
-            },
-        )
-        self.server = ThreadingHTTPServer((host, port), handler)
-        self.server.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self.server.serve_forever, name="hostpool-http", daemon=True
-        )
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self.server.server_address[:2]
-        return str(host), int(port)
-
-    def start(self) -> ServiceHTTP:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self._thread.join()
+def _send(
+    start_response: Callable[..., Any], status: str, body: bytes, content_type: str
+) -> list[bytes]:
+    start_response(status, [("Content-Type", content_type), ("Content-Length", str(len(body)))])
+    return [body]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,17 +33,26 @@ class PoolService:
         self.tensors: dict[str, list[torch.Tensor]] = {}
         self.started_at = time.time()
 
-    def allocate_all(self, progress: Progress | None = None) -> None:
-        """Allocate every pool in chunks (so progress can be shown while populating)."""
+    def allocate_all(
+        self, progress: Progress | None = None, *, stop: threading.Event | None = None
+    ) -> None:
+        """Allocate every pool in chunks (so progress can be shown while populating);
+        once `stop` is set, no further chunk is started (close() releases what was made)."""
         for spec in self.config.pools:
-            self._allocate_pool(spec, progress)
+            self._allocate_pool(spec, progress, stop)
 
-    def _allocate_pool(self, spec: PoolSpec, progress: Progress | None) -> None:
+    def _allocate_pool(
+        self, spec: PoolSpec, progress: Progress | None, stop: threading.Event | None
+    ) -> None:
         allocator = self.manager.allocator(spec.name, spec.allocator, **spec.options)
         chunks = self.tensors.setdefault(spec.name, [])
         done = 0
         started = time.perf_counter()
+        if progress is not None:
+            progress(spec.name, 0, spec.size)
         while done < spec.size:
+            if stop is not None and stop.is_set():
+                return
             n = min(spec.chunk, spec.size - done)
             chunks.append(allocator.allocate((n,), torch.uint8))
             done += n
@@ -62,12 +72,16 @@ class PoolService:
 
     def debug_document(self) -> dict[str, Any]:
         """What /debug/pools serves: totals per pool and every region's record."""
+        budget = self.manager.budget_view()
         return {
             "pid": __import__("os").getpid(),
             "started_at": self.started_at,
             "pools": self.manager.totals(),
-            "budget_bytes": self.manager.budget_bytes,
-            "budget_reserved_bytes": self.manager.budget_reserved_bytes,
+            # The same numbers as hostpool_budget_bytes{limit} / _reserved_bytes.
+            "budget_bytes": budget.limits[budget.binding] if budget.binding else None,
+            "budget_binding_limit": budget.binding,
+            "budget_limits": budget.limits,
+            "budget_reserved_bytes": budget.reserved,
             "regions": [r.to_dict() for r in self.snapshot()],
         }
 

@@ -1,0 +1,252 @@
+"""The HTTP listener of `hostpool serve` and `hostpool exporter`: waitress, hardened.
+
+waitress reads every connection on one event loop and runs complete requests only on a
+few worker threads, so idle or half-open connections cost an fd each and nothing else.
+On top of it this module adds what a listener next to a production server needs:
+
+- the socket is bound by `bind()` before anything slow happens (a port in use is the
+  first thing an operator hears about, not the last);
+- a connection cap below RLIMIT_NOFILE: when it is reached, or accept() fails with
+  EMFILE, the oldest connection without a request in service is closed, so a flood of
+  half-open connections cannot lock out a scraper (it only churns the flood);
+- per-connection deadlines: a request must arrive whole within `request_timeout`
+  seconds of its first byte, and a connection with nothing to do is closed after
+  `idle_timeout`;
+- a request that never completed never runs the application (no scrape for it), and
+  socket errors are counted events, never tracebacks.
+"""
+
+from __future__ import annotations
+
+import errno
+import resource
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from waitress.channel import HTTPChannel
+from waitress.server import TcpWSGIServer
+
+from hostpool import events
+from hostpool.errors import ConfigError
+
+# environ, start_response -> body chunks
+WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+DEFAULT_CONNECTION_LIMIT = 512
+REQUEST_TIMEOUT = 5.0
+IDLE_TIMEOUT = 30.0
+_MAINTENANCE_INTERVAL = 0.25
+_ACCEPT_BURST = 64  # accepts per wake-up: drains a flooded backlog quickly
+_EMFILE_BACKOFF = 0.1
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port; a ConfigError names what failed."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, OverflowError, UnicodeError) as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def default_connection_limit() -> int:
+    """A quarter of RLIMIT_NOFILE (at most 512): the rest stays for the pools' fds."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return DEFAULT_CONNECTION_LIMIT
+    return max(8, min(DEFAULT_CONNECTION_LIMIT, soft // 4))
+
+
+class _Channel(HTTPChannel):
+    """Remembers when the request now arriving started, for the request deadline."""
+
+    request_started: float | None = None
+
+    def received(self, data: bytes) -> bool:
+        if self.request is None and not self.requests and data:
+            self.request_started = time.monotonic()
+        done: bool = super().received(data)
+        if self.request is None:
+            self.request_started = None
+        return done
+
+
+class _GuardedServer(TcpWSGIServer):
+    """waitress's TCP server with eviction instead of refusing, and deadlines."""
+
+    channel_class = _Channel
+
+    def __init__(self, app: WSGIApp, sock: socket.socket, limits: _Limits, **kw: Any) -> None:
+        self.limits = limits
+        self._next_maintenance = 0.0
+        self._accept_after = 0.0
+        self.stopping = False
+        super().__init__(app, _sock=sock, bind_socket=False, **kw)
+
+    def readable(self) -> bool:
+        now = time.monotonic()
+        if now >= self._next_maintenance:
+            self._next_maintenance = now + _MAINTENANCE_INTERVAL
+            self._enforce_deadlines(now)
+        return bool(self.accepting) and now >= self._accept_after and not self.stopping
+
+    def _channels(self) -> dict[int, _Channel]:
+        # waitress keeps {fd: channel} in creation order; its stubs type it as one channel.
+        channels: dict[int, _Channel] = self.active_channels  # type: ignore[assignment]
+        return channels
+
+    @property
+    def socket_map(self) -> dict[int, Any]:
+        channels: dict[int, Any] = self._map  # type: ignore[attr-defined]
+        return channels
+
+    def handle_accept(self) -> None:
+        listening = self.socket
+        assert listening is not None
+        for _ in range(_ACCEPT_BURST):
+            if len(self._channels()) >= self.limits.connections:
+                self._evict_oldest("connection_limit")
+            try:
+                conn, addr = listening.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    # Out of fds: make room, and wait a little instead of spinning.
+                    if not self._evict_oldest("fd_limit"):
+                        self._accept_after = time.monotonic() + _EMFILE_BACKOFF
+                    return
+                self.limits.count("accept_error")
+                return
+            self.channel_class(self, conn, addr, self.adj, map=self.socket_map)
+
+    def _evict_oldest(self, why: str) -> bool:
+        """Close the oldest connection with no request in service (creation order: the
+        first one found is almost always it)."""
+        for channel in self._channels().values():
+            if not channel.requests:
+                channel.handle_close()
+                self.limits.count(why)
+                return True
+        return False
+
+    def _enforce_deadlines(self, now: float) -> None:
+        wall = time.time()
+        for channel in [c for c in self._channels().values() if not c.requests]:
+            started = channel.request_started
+            if started is not None and now - started > self.limits.request_timeout:
+                channel.handle_close()
+                self.limits.count("request_timeout")
+            elif started is None and wall - channel.last_activity > self.limits.idle_timeout:
+                channel.handle_close()
+                self.limits.count("idle_timeout")
+
+    def maintenance(self, now: float) -> None:
+        pass  # replaced by _enforce_deadlines (monotonic time, request deadlines)
+
+
+class _Limits:
+    def __init__(self, connections: int, request_timeout: float, idle_timeout: float) -> None:
+        self.connections = connections
+        self.request_timeout = request_timeout
+        self.idle_timeout = idle_timeout
+        self.closed: dict[str, int] = {}
+        self._last_event = 0.0
+
+    def count(self, why: str) -> None:
+        self.closed[why] = self.closed.get(why, 0) + 1
+        now = time.monotonic()
+        if now - self._last_event >= 10.0:  # a flood is one line per 10 s, not one per socket
+            self._last_event = now
+            events.warning("hostpool.http_connections_closed", **self.closed)
+
+
+class Listener:
+    """One bound socket served by waitress on its own thread; `stop()` joins it."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        connection_limit: int | None = None,
+        request_timeout: float = REQUEST_TIMEOUT,
+        idle_timeout: float = IDLE_TIMEOUT,
+        threads: int = 4,
+    ) -> None:
+        self.socket = sock
+        self.limits = _Limits(
+            connection_limit or default_connection_limit(), request_timeout, idle_timeout
+        )
+        self.threads = threads
+        self._server: _GuardedServer | None = None
+        self._thread: threading.Thread | None = None
+        self._map: dict[int, Any] = {}
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.socket.getsockname()[:2]
+        return str(host), int(port)
+
+    @property
+    def url_host(self) -> str:
+        host = self.address[0]
+        return f"[{host}]" if ":" in host else host
+
+    @property
+    def closed_connections(self) -> dict[str, int]:
+        """Connections the listener closed, by why (connection_limit, request_timeout...)."""
+        return dict(self.limits.closed)
+
+    def serve(self, app: WSGIApp) -> Listener:
+        from waitress import wasyncore
+
+        def logged(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            # Only complete requests get here: a half-open one never runs the application.
+            events.debug("hostpool.http_request", path=environ.get("PATH_INFO", ""))
+            return app(environ, start_response)
+
+        self._server = _GuardedServer(
+            logged,
+            self.socket,
+            self.limits,
+            map=self._map,
+            threads=self.threads,
+            connection_limit=self.limits.connections,
+            channel_timeout=int(self.limits.idle_timeout),
+            log_socket_errors=False,
+            asyncore_use_poll=True,  # select() stops at fd 1024
+            ident="hostpool",
+        )
+        server = self._server
+
+        def loop() -> None:
+            while not server.stopping:
+                wasyncore.loop(timeout=0.5, map=self._map, use_poll=True, count=1)
+            wasyncore.close_all(self._map)
+            server.task_dispatcher.shutdown(timeout=5)
+
+        self._thread = threading.Thread(target=loop, name="hostpool-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is None or self._thread is None:
+            self.socket.close()
+            return
+        self._server.stopping = True
+        self._server.pull_trigger()  # wakes the loop now, not at its next timeout
+        self._thread.join(timeout=10)

@@ -1,0 +1,81 @@
+"""Before anything is allocated: does the whole configuration fit this host?
+
+Runs without torch, in milliseconds, so a typo such as `--pool kv=10TiB` is refused
+before a single page is populated. What can never fit (more than the budget, the host's
+memory, the cgroup limit, or a hugetlb pool that does not exist) is a ConfigError;
+what does not fit now (MemAvailable, free hugepages) is the AllocationError the first
+allocation would have raised, from the same admission check the manager uses.
+"""
+
+from __future__ import annotations
+
+from hostpool.budget import Admission
+from hostpool.errors import ConfigError, HostPoolError
+from hostpool.memory import cgroup, kernel
+from hostpool.memory.options import RegionOptions
+from hostpool.serve.config import PoolSpec, ServeConfig
+from hostpool.units import format_size
+
+
+def _hugetlb_size(spec: PoolSpec) -> int | None:
+    """The hugetlb page size a pool must get (hugepages="required"), else None."""
+    try:
+        options = RegionOptions.parse(**spec.options)
+    except HostPoolError as exc:  # already validated by the config; kept for safety
+        raise ConfigError(f"pools.{spec.name}: {exc}") from None
+    return options.hugepage_size if options.hugepages == "required" else None
+
+
+def _listing(pools: list[PoolSpec]) -> str:
+    return ", ".join(f"{p.name} {format_size(p.size)}" for p in pools)
+
+
+def check(cfg: ServeConfig) -> None:
+    """Raise ConfigError or AllocationError unless every pool can be allocated now."""
+    total = sum(p.size for p in cfg.pools)
+    every = _listing(list(cfg.pools))
+    for key, limit in (("server.budget", cfg.budget), ("server.host_budget", cfg.host_budget)):
+        if limit is not None and total > limit:
+            raise ConfigError(
+                f"pools need {format_size(total)} ({every}), more than {key} {format_size(limit)}"
+            )
+    huge: dict[int, list[PoolSpec]] = {}
+    normal: list[PoolSpec] = []
+    for spec in cfg.pools:
+        size = _hugetlb_size(spec)
+        (huge.setdefault(size, []) if size is not None else normal).append(spec)
+    normal_bytes = sum(p.size for p in normal)
+    mem_total = kernel.meminfo().get("MemTotal", 0)
+    if normal_bytes > mem_total:
+        raise ConfigError(
+            f"pools need {format_size(normal_bytes)} ({_listing(normal)}), more than this "
+            f"host's memory ({format_size(mem_total)} MemTotal)"
+        )
+    cg = cgroup.memory_limit()
+    if cg is not None and normal_bytes > cg.limit:
+        raise ConfigError(
+            f"pools need {format_size(normal_bytes)} ({_listing(normal)}), more than the "
+            f"cgroup memory limit {format_size(cg.limit)} ({cg.source})"
+        )
+    pools = kernel.hugepage_pools()
+    for size, specs in huge.items():
+        need = sum(-(-p.size // size) * size for p in specs)
+        pool = pools.get(size)
+        if pool is None:
+            raise ConfigError(
+                f"pools {_listing(specs)} require {format_size(size)} hugepages; this host "
+                f"has none of that size (sizes: {[format_size(s) for s in sorted(pools)]})"
+            )
+        if need > pool.total * size:
+            raise ConfigError(
+                f"pools {_listing(specs)} require {need // size} hugepages of "
+                f"{format_size(size)}; {pool.total} are reserved in /sys/kernel/mm/hugepages/"
+                f"hugepages-{size // 1024}kB/nr_hugepages"
+            )
+    # What fits now: the manager's own admission check, for the whole configuration.
+    admission = Admission(None, lambda: 0)
+    with admission.reserve(normal_bytes, None):
+        pass
+    for size, specs in huge.items():
+        with admission.reserve(sum(p.size for p in specs), size):
+            pass

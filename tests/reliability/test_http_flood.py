@@ -1,0 +1,220 @@
+"""Slowloris against the HTTP listener of `serve` and `exporter` (issue 17, point 6).
+
+The server runs as a real `hostpool` process under `ulimit -n 1024` (RLIMIT_NOFILE set in
+the child). This process holds 1,020 half-open requests against it (request line and one
+header, never the blank line), reopening any the server closes, and scrapes meanwhile:
+every scrape answers in under a second, nothing is logged as a traceback, and a half-open
+request that is closed never runs the application (no scrape for it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import selectors
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NOFILE = 1024
+HALF_OPEN = 1020
+SCRAPES = 20
+PARTIAL = b"GET /metrics HTTP/1.1\r\nHost: flood\r\n"  # no blank line: never complete
+RESULTS = ROOT / "bench" / "results" / "http-flood.json"
+RECORD = os.environ.get("HOSTPOOL_SOAK") == "1" or os.environ.get("HOSTPOOL_RECORD_RESULTS") == "1"
+
+COMMANDS = {
+    "serve": ["serve", "--port", "0", "--pool", "kv=2MiB"],
+    "exporter": ["exporter", "--match", "hostpool.", "--port", "0"],
+}
+
+
+def _limit_fds() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
+
+
+@contextmanager
+def _server(tmp: Path, command: str) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    err = tmp / f"{command}.err"
+    with open(err, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hostpool", "--log-level", "debug", "--log-format", "json"]
+            + COMMANDS[command],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=f,
+            preexec_fn=_limit_fds,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        url = None
+        while url is None and time.monotonic() < deadline:
+            match = re.search(r'"url": "(http://[^"]+)/metrics"', err.read_text())
+            url = match.group(1) if match else None
+            assert proc.poll() is None, err.read_text()
+            time.sleep(0.05)
+        assert url is not None, "no url logged in 60 s"
+        yield proc, url, err
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class Flood:
+    """Holds `count` half-open requests, reopening each one the server closes."""
+
+    def __init__(self, address: tuple[str, int], count: int) -> None:
+        self.address = address
+        self.count = count
+        self.selector = selectors.DefaultSelector()
+        self.reopened = 0
+        self.held: list[int] = []
+
+    def _open(self) -> None:
+        s = socket.socket()
+        s.settimeout(2)
+        try:
+            s.connect(self.address)
+            s.sendall(PARTIAL)
+        except OSError:
+            s.close()
+            return
+        s.setblocking(False)
+        self.selector.register(s, selectors.EVENT_READ)
+
+    def run(self, stop: threading.Event) -> None:
+        for _ in range(self.count):
+            self._open()
+        print("ready", flush=True)
+        while not stop.is_set():
+            self.held.append(len(self.selector.get_map()))
+            for key, _ in self.selector.select(timeout=0.1):
+                self.selector.unregister(key.fileobj)
+                key.fileobj.close()  # type: ignore[union-attr]
+                self.reopened += 1
+            while len(self.selector.get_map()) < self.count and not stop.is_set():
+                self._open()
+
+
+def flood_main(host: str, port: int) -> None:
+    """The attacker, in its own process: holds the flood until its stdin closes."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (8192, 8192))
+    flood = Flood((host, port), HALF_OPEN)
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True)
+    thread.start()
+    flood.run(stop)
+    held = sorted(flood.held)
+    print(json.dumps({"reopened": flood.reopened, "held_median": held[len(held) // 2]}))
+
+
+@contextmanager
+def _flood(url: str) -> Iterator[dict[str, Any]]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tests.reliability.test_http_flood import flood_main; "
+            "flood_main(sys.argv[1], int(sys.argv[2]))",
+            host,
+            port,
+        ],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    stats: dict[str, Any] = {}
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        yield stats
+    finally:
+        proc.stdin.close()
+        out = proc.stdout.read()
+        proc.wait(timeout=30)
+        stats.update(json.loads(out))
+
+
+def _scrape(url: str) -> float:
+    started = time.monotonic()
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        assert r.status == 200 and r.read()
+    return time.monotonic() - started
+
+
+def _requests_run(log: str) -> int:
+    return sum(
+        1 for line in log.splitlines() if '"hostpool.http_request"' in line and '"/metrics"' in line
+    )
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_half_open_flood_under_ulimit_1024(tmp_path: Path, command: str) -> None:
+    with _server(tmp_path, command) as (proc, url, err):
+        with _flood(url) as flood:
+            time.sleep(1.0)  # the server reaches its cap and starts closing the oldest
+            latencies = []
+            for _ in range(SCRAPES):
+                latencies.append(_scrape(url))
+                time.sleep(0.05)
+        time.sleep(1.0)  # closed half-open requests would have run by now
+        ran = _requests_run(err.read_text())
+        assert proc.poll() is None, err.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    log = err.read_text()
+    assert max(latencies) < 1.0, latencies
+    assert flood["held_median"] >= HALF_OPEN - 64, flood
+    # Only the scrapes ran: not one of the thousands of closed half-open requests.
+    assert ran == SCRAPES, ran
+    assert "Traceback" not in log and "exc_info" not in log and "exception" not in log
+    assert "hostpool.http_connections_closed" in log, "the server never closed a flood connection"
+    _record(
+        command,
+        half_open_held=HALF_OPEN,
+        half_open_held_median=flood["held_median"],
+        nofile=NOFILE,
+        scrapes=SCRAPES,
+        scrape_max_s=round(max(latencies), 3),
+        scrape_median_s=round(statistics.median(latencies), 3),
+        flood_reconnects=flood["reopened"],
+        application_runs_for_half_open=ran - SCRAPES,
+        tracebacks=0,
+    )
+
+
+def _record(command: str, **figures: Any) -> None:
+    if not RECORD:
+        return
+    import platform
+
+    data: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    data["benchmark"] = "http-flood"
+    data["kernel"] = platform.release()
+    data.setdefault("servers", {})[command] = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **figures,
+    }
+    RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
