@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -227,3 +228,114 @@ def test_make_run_as_a_new_user_would(tmp_path: os.PathLike[str]) -> None:
     assert "hostpool.serve_stopped" in log
     releases = [json.loads(x) for x in log.splitlines() if "hostpool.release" in x]
     assert releases and {r["how"] for r in releases} == {"explicit"}
+
+
+def hostpool(*args: str, importtime: bool = False) -> subprocess.CompletedProcess[str]:
+    """The real `hostpool` command (`-X importtime` lists every module it imported)."""
+    flags = ["-X", "importtime"] if importtime else []
+    return subprocess.run(
+        [sys.executable, *flags, "-m", "hostpool", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def imported_torch(stderr: str) -> bool:
+    return any(re.search(r"\|\s*torch$", line.rstrip()) for line in stderr.splitlines())
+
+
+def log_events(stderr: str) -> list[str]:
+    return re.findall(r'"event": "(hostpool\.[a-z_]+)"', stderr)
+
+
+def test_a_pool_bigger_than_the_host_is_refused_before_anything_is_allocated() -> None:
+    proc = hostpool("serve", "--port", "0", "--pool", "kv=10TiB", importtime=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "kv 10TiB" in proc.stderr and "MemTotal" in proc.stderr
+    assert "hostpool.alloc" not in log_events(proc.stderr)
+    assert not imported_torch(proc.stderr)
+
+
+def test_pools_over_the_budget_are_refused_naming_it() -> None:
+    proc = hostpool("serve", "--port", "0", "--pool", "kv=48MiB", "--pool", "swa=32MiB",
+                    "--budget", "64MiB")  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "server.budget" in proc.stderr and "80MiB" in proc.stderr
+    assert log_events(proc.stderr) == []
+
+
+def test_a_port_in_use_is_reported_before_torch_or_allocation() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = hostpool("serve", "--port", str(port), "--pool", "kv=1MiB", importtime=True)
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in proc.stderr
+    assert not imported_torch(proc.stderr)
+    assert log_events(proc.stderr) == []
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--allocator", "gpu"], "pools.kv.allocator: unknown 'gpu'"),
+        (["--hugepages", "always"], "argument --hugepages: invalid choice"),
+        (["--port", "99999"], "server.port must be an int in 0..65535"),
+    ],
+)
+def test_bad_flags_are_reported_before_torch(args: list[str], message: str) -> None:
+    proc = hostpool("serve", "--pool", "kv=1MiB", *args, importtime=True)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert not imported_torch(proc.stderr)
+
+
+def test_check_validates_without_allocating() -> None:
+    ok = hostpool("serve", "--check", "--port", "0", "--pool", "kv=1GiB", importtime=True)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("ok: 1 pools, kv=1073741824B (shm)")
+    assert not imported_torch(ok.stderr)
+    bad = hostpool("serve", "--check", "--pool", "kv=10TiB")
+    assert bad.returncode == 2 and "MemTotal" in bad.stderr and bad.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--log-level", "bogus", "doctor"], "argument --log-level: invalid choice: 'bogus'"),
+        (["serve", "--pool", "kv=4GiB", "--pool", "kv=1GiB"], "--pool kv is given twice"),
+        (["serve", "--pool", "kv"], "--pool takes NAME=SIZE"),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(args: list[str], message: str) -> None:
+    proc = hostpool(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_version_and_help_say_the_syntax() -> None:
+    from importlib.metadata import version
+
+    proc = hostpool("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"hostpool {version('hostpool')}"
+    help_text = " ".join(hostpool("serve", "--help").stdout.split())
+    assert "--pool kv=4GiB --pool swa=512MiB" in help_text
+    assert "KiB, MiB, GiB, TiB (powers of 1024)" in help_text
+    assert "hostpool.share.attach(PATH, POOL)" in help_text
+    assert "--check" in help_text and "--log-format" in hostpool("--help").stdout
+
+
+def test_builtin_allocator_names_match_the_registry() -> None:
+    from hostpool.allocators import allocator_names
+    from hostpool.serve.config import BUILTIN_ALLOCATORS
+
+    fresh = helpers.run_python(
+        "from hostpool.allocators import allocator_names; print(allocator_names())"
+    )
+    assert fresh.stdout.strip() == str(sorted(BUILTIN_ALLOCATORS))
+    assert set(BUILTIN_ALLOCATORS) <= set(allocator_names())
