@@ -96,16 +96,20 @@ def plan(hugepages: str, hugepage_size: object, need: int) -> dict[str, Any]:
         available = kernel.meminfo().get("MemAvailable", 0)
         if need > available:
             problems.append(
-                f"need {need} bytes ({format_size(need)}) but MemAvailable is {available} bytes"
+                f"need {format_size(need)} but MemAvailable is {format_size(available)}"
             )
         limit = cgroup.memory_limit()
         if limit is not None and need > limit.free:
-            problems.append(f"need {need} bytes but the cgroup allows {limit.free} more")
+            problems.append(
+                f"need {format_size(need)} but the cgroup allows {format_size(limit.free)} more"
+            )
         if backend == "devshm":
             st = os.statvfs("/dev/shm")
             if need > st.f_bavail * st.f_frsize:
                 free = st.f_bavail * st.f_frsize
-                problems.append(f"need {need} bytes but /dev/shm has {free} free")
+                problems.append(
+                    f"need {format_size(need)} but /dev/shm has {format_size(free)} free"
+                )
     result["ok"] = not problems
     result["problems"] = problems
     return result

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import resource
 import subprocess
 import sys
 
 import pytest
 
+from hostpool.units import format_size
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,3 +82,16 @@ def test_requests_that_cannot_be_met_exit_1(args: tuple[str, ...], ok: bool) -> 
 
 def test_bad_input_exits_2() -> None:
     assert doctor("--need", "lots").returncode == 2
+
+
+def test_text_output_has_no_python_reprs_or_raw_byte_counts() -> None:
+    """Sizes are human (8MiB, not 8388608), lists are words, not ['a', 'b']."""
+    proc = doctor("--hugepages", "prefer", "--need", "64TiB")
+    assert proc.returncode == 1
+    for line in proc.stdout.splitlines():
+        assert not re.search(r"[\[\]{}']", line.split(" ", 1)[1]), line
+        assert not re.search(r"\b\d{7,}\b", line), line  # no byte count of 1 MB or more
+    memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    expected = "unlimited" if memlock == resource.RLIM_INFINITY else format_size(memlock)
+    assert f"RLIMIT_MEMLOCK       {expected} " in proc.stdout
+    assert "PROBLEM: need 64TiB but MemAvailable is " in proc.stdout

@@ -22,6 +22,23 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
+def _count(value: int | None) -> str:
+    return "unlimited" if value is None else str(value)
+
+
+def _bytes(value: int | None) -> str:
+    return "unlimited" if value is None else format_size(value)
+
+
+def _cgroup(memory: dict[str, Any] | None) -> str:
+    if not memory:
+        return "no limit"
+    return (
+        f"limit {format_size(memory['limit_bytes'])}, {format_size(memory['usage_bytes'])} "
+        f"used ({memory['source']})"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from hostpool.doctor import facts, plan
 
@@ -48,14 +65,15 @@ def run(args: argparse.Namespace) -> int:
         f"shmem THP            {host['thp']['shmem_enabled']}",
         f"/dev/shm             {format_size(host['dev_shm']['free_bytes'])} free of "
         f"{format_size(host['dev_shm']['size_bytes'])}",
-        f"RLIMIT_NOFILE        {host['rlimits']['nofile']['soft']} (hard "
-        f"{host['rlimits']['nofile']['hard']})",
-        f"RLIMIT_MEMLOCK       {host['rlimits']['memlock']['soft']}",
-        f"cgroup memory        {host['cgroup_memory'] or 'no limit'}",
+        f"RLIMIT_NOFILE        {_count(host['rlimits']['nofile']['soft'])} (hard "
+        f"{_count(host['rlimits']['nofile']['hard'])})",
+        f"RLIMIT_MEMLOCK       {_bytes(host['rlimits']['memlock']['soft'])} (hard "
+        f"{_bytes(host['rlimits']['memlock']['hard'])})",
+        f"cgroup memory        {_cgroup(host['cgroup_memory'])}",
         f"CUDA                 {_yes(host['cuda'])}",
         f"auto would choose    {chosen['backend']}, populate {chosen['populate']}, page "
         f"{format_size(chosen['page_size']) if 'page_size' in chosen else '-'}"
-        + (f", fallbacks {chosen['fallbacks']}" if chosen.get("fallbacks") else ""),
+        + (f", fallbacks {', '.join(chosen['fallbacks'])}" if chosen.get("fallbacks") else ""),
     ]
     lines += [f"PROBLEM: {p}" for p in chosen["problems"]]
     print("\n".join(lines))
