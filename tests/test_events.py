@@ -81,3 +81,24 @@ def test_an_unconfigured_application_sees_no_info_events() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "done\n"
     assert "hostpool.alloc" not in proc.stderr and "hostpool.release" not in proc.stderr
+
+
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_cli_log_carries_hostpool_events_only(fmt: str) -> None:
+    """Other libraries' info lines (torch's FakeTensor cache stats at exit) stay out of
+    the `hostpool` command's log; --log-format picks the rendering."""
+    proc = helpers.run_python(
+        f"""
+        import logging
+        from hostpool.cli.logsetup import configure_logging
+        from hostpool import events
+        configure_logging("info", "{fmt}")
+        logging.getLogger("torch._subclasses.fake_tensor").info("FakeTensor cache stats:")
+        events.info("hostpool.demo_event", pool="kv")
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "FakeTensor" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "hostpool.demo_event" in lines[0]
+    assert lines[0].startswith("{") == (fmt == "json")

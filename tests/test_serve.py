@@ -100,6 +100,8 @@ def test_endpoints_and_clean_sigterm(served: Served) -> None:
         ("mamba", "explicit"),
     }
     assert "hostpool.leak" not in served.log()
+    serving = [json.loads(x) for x in served.log().splitlines() if '"hostpool.serving"' in x]
+    assert [e["level"] for e in serving] == ["info"]  # the normal case is not a warning
     # The server's 88 MiB of shm are gone (within 16 MiB of the level while it ran, less it).
     assert helpers.shmem_bytes() <= baseline - (64 << 20) + (16 << 20)
 
