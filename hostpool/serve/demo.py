@@ -1,8 +1,11 @@
 """`--demo-load`: a background workload so every dashboard row has data.
 
 It writes and reads pages of the configured pools, churns allocations in a `demo` pool
-(released explicitly, and some dropped for the finalizer to reclaim), provokes one
-hugepage fallback and one refused allocation.
+(released explicitly, and some dropped for the finalizer to reclaim), and every
+`provoke_every` seconds provokes a hugepage fallback and a refused allocation, so the
+alerts they feed (HostpoolHugepageFallbacks, HostpoolAllocationFailures,
+HostpoolFinalizerReleases) fire on any scrape interval: increase() needs a sample before
+the rise, and a one-off rise before the first scrape is never seen.
 """
 
 from __future__ import annotations
@@ -28,8 +31,11 @@ class DemoLoad:
         interval: float = 0.2,
         seed: int = 0,
         provoke_after: float = 5.0,
+        provoke_every: float = 10.0,
     ) -> None:
         self.provoke_after = provoke_after
+        self.provoke_every = provoke_every
+        self.provoked = 0
         self.service = service
         self.interval = interval
         self.rng = random.Random(seed)
@@ -67,6 +73,9 @@ class DemoLoad:
         fallback = manager.allocator(
             "demo_hugepages", "shm", hugepages="prefer", hugepage_size=size
         )
+        held = self._held["demo_hugepages"]
+        while held:  # the previous round's, released before the next: nothing accumulates
+            fallback.release(held.pop())
         if want <= 64 << 20:  # a counted fallback, never an error; skipped if it would be big
             try:
                 self._held["demo_hugepages"].append(fallback.allocate((want,), torch.uint8))
@@ -90,12 +99,13 @@ class DemoLoad:
         self.service.manager.allocator(
             "demo_hugepages", "shm", hugepages="prefer", hugepage_size=size
         )
-        provoked = False
+        next_provoke = self.provoke_after
         while not self._stop.wait(self.interval):
             self.cycles += 1
-            if not provoked and self.cycles * self.interval >= self.provoke_after:
+            if self.cycles * self.interval >= next_provoke:
                 self._provoke_once()
-                provoked = True
+                self.provoked += 1
+                next_provoke += self.provoke_every
             for chunks in list(self.service.tensors.values()):
                 if not chunks:
                     continue
