@@ -87,7 +87,14 @@ def attach(
     sock.settimeout(timeout)
     fds: list[int] = []
     try:
-        sock.connect(path)
+        try:
+            sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
+            # Name the path: "[Errno 2] No such file or directory" alone says nothing.
+            raise ShareError(
+                f"cannot attach to {path}: {exc.strerror} (is `hostpool serve "
+                "--share-socket` running with this path?)"
+            ) from exc
         try:
             protocol.send(sock, {"op": "attach", "pool": pool, "readonly": readonly})
             manifest, _, received = protocol.receive(sock)
