@@ -126,10 +126,30 @@ def soak(data: dict[str, Any], _ctx: Any) -> str:
     )
 
 
+def http_flood(data: dict[str, Any], _ctx: Any) -> str:
+    lines = [
+        f"Last run (`HOSTPOOL_RECORD_RESULTS=1 pytest tests/reliability/test_http_flood.py`, "
+        f"Linux {data['kernel']}):",
+        "",
+        "| server | half-open held | ulimit -n | scrapes | slowest | median | flood reconnects "
+        "| scrapes run for half-open requests | tracebacks |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, r in sorted(data["servers"].items()):
+        lines.append(
+            f"| `{name}` | {r['half_open_held']:,} | {r['nofile']:,} | {r['scrapes']} | "
+            f"{r['scrape_max_s'] * 1000:.0f} ms | {r['scrape_median_s'] * 1000:.0f} ms | "
+            f"{r['flood_reconnects']:,} | {r['application_runs_for_half_open']} | "
+            f"{r['tracebacks']} |"
+        )
+    return "\n".join(lines)
+
+
 TABLES = {
     "overhead": overhead,
     "scrape": scrape,
     "share": share,
     "leakcheck": leakcheck,
     "soak": soak,
+    "http-flood": http_flood,
 }
