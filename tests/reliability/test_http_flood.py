@@ -218,3 +218,20 @@ def _record(command: str, **figures: Any) -> None:
         **figures,
     }
     RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def test_a_lone_half_open_request_meets_its_deadline(tmp_path: Path) -> None:
+    """No flood, no cap reached: the request deadline alone closes a trickling client."""
+    from hostpool.listener import REQUEST_TIMEOUT
+
+    with _server(tmp_path, "exporter") as (_proc, url, err):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT + 5) as s:
+            started = time.monotonic()
+            s.sendall(PARTIAL)
+            time.sleep(1)
+            s.sendall(b"X-Trickle: 1\r\n")  # activity: an idle timeout alone would not fire
+            assert s.recv(1024) == b""  # closed by the server, no response
+            waited = time.monotonic() - started
+    assert REQUEST_TIMEOUT <= waited < REQUEST_TIMEOUT + 2, waited
+    assert "request_timeout" in err.read_text()
