@@ -11,11 +11,13 @@ SERVE_ARGS ?=
 
 .PHONY: run test test-fast lint bench soak dashboards prometheus clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/sglang-test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev,bench]"
+	# The real sglang for tests/sglang: a pinned closure without sglang's GPU dependencies.
+	$(PY) -m pip install -q --no-deps -c <(echo "$(TORCH_SPEC)") -r requirements/sglang-test.txt
 	touch $(STAMP)
 
 # promtool and prometheus (Debian's package, 2.42) for the rules and end-to-end tests.
