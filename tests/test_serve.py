@@ -327,7 +327,9 @@ def test_version_and_help_say_the_syntax() -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == f"hostpool {version('hostpool')}"
     help_text = " ".join(hostpool("serve", "--help").stdout.split())
     assert "--pool kv=4GiB --pool swa=512MiB" in help_text
-    assert "KiB, MiB, GiB, TiB (powers of 1024)" in help_text
+    assert "KiB, MiB, GiB, TiB (KB, MB, GB, TB and K, M, G, T mean the same: powers of 1024" in (
+        help_text
+    )
     assert "hostpool.share.attach(PATH, POOL)" in help_text
     assert "--check" in help_text and "--log-format" in hostpool("--help").stdout
 

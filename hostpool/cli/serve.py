@@ -38,8 +38,8 @@ def add_parser(sub: Any) -> None:
         metavar="NAME=SIZE",
         help="a pool to allocate, repeatable, e.g. --pool kv=4GiB --pool swa=512MiB. NAME: "
         "letters, digits, _ and - (at most 64). SIZE: bytes, or a number with a unit: "
-        "KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000). Replaces "
-        "the pools of --config.",
+        "KiB, MiB, GiB, TiB (KB, MB, GB, TB and K, M, G, T mean the same: powers of 1024, "
+        "as in 2MB hugepages). Replaces the pools of --config.",
     )
     p.add_argument(
         "--allocator",
