@@ -77,7 +77,7 @@ class _Channel(HTTPChannel):
     request_started: float | None = None
 
     def received(self, data: bytes) -> bool:
-        if self.request is None and not self.requests and data:
+        if self.request is None and data:
             self.request_started = time.monotonic()
         done: bool = super().received(data)
         if self.request is None:
@@ -137,7 +137,7 @@ class _GuardedServer(TcpWSGIServer):
     def _evict_oldest(self, why: str) -> bool:
         """Close the oldest connection with no request in service (creation order: the
         first one found is almost always it)."""
-        for channel in self._channels().values():
+        for channel in list(self._channels().values()):  # a snapshot: threads close too
             if not channel.requests:
                 channel.handle_close()
                 self.limits.count(why)
@@ -146,7 +146,7 @@ class _GuardedServer(TcpWSGIServer):
 
     def _enforce_deadlines(self, now: float) -> None:
         wall = time.time()
-        for channel in [c for c in self._channels().values() if not c.requests]:
+        for channel in [c for c in list(self._channels().values()) if not c.requests]:
             started = channel.request_started
             if started is not None and now - started > self.limits.request_timeout:
                 channel.handle_close()
