@@ -11,7 +11,7 @@ SERVE_ARGS ?=
 
 .PHONY: run test test-fast lint bench soak dashboards prometheus clean
 
-$(STAMP): pyproject.toml requirements/sglang-test.txt
+$(STAMP): pyproject.toml setup.py hostpool-instrument.pth requirements/sglang-test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"

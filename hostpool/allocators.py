@@ -263,10 +263,37 @@ class HostTensorAllocator:
 
 
 class ShmHostTensorAllocator(HostTensorAllocator):
-    """memfd-backed (or /dev/shm fallback) tensors another process can map by fd."""
+    """memfd-backed (or /dev/shm fallback) tensors another process can map by fd.
+
+    sglang's semantics: `fd`/`mm` are the first of `fds`/`mms` (oldest first). With
+    `retain=True` (what the sglang integration uses) the allocator keeps each allocation
+    until `close()`/`release()`, so `fds` stay valid for its life, as in sglang; by default
+    the tensors own their memory and `fds` lists the live regions only.
+    """
 
     kind = "shm"
     registered_name = "shm"
+
+    def __init__(self, pool: str = "default", *, retain: bool = False, **kwargs: Any) -> None:
+        super().__init__(pool, **kwargs)
+        self._retained: list[torch.Tensor] | None = [] if retain else None
+
+    def allocate(self, dims: Any, dtype: torch.dtype, device: Any = "cpu") -> torch.Tensor:
+        tensor = super().allocate(dims, dtype, device)
+        if self._retained is not None:
+            self._retained.append(tensor)
+        return tensor
+
+    def release(self, tensor: torch.Tensor) -> bool:
+        if self._retained is not None:
+            address = int(tensor.data_ptr())
+            self._retained = [t for t in self._retained if int(t.data_ptr()) != address]
+        return super().release(tensor)
+
+    def close(self) -> None:
+        if self._retained is not None:
+            self._retained.clear()  # first, so nothing of ours keeps a view mapped
+        super().close()
 
     @property
     def fds(self) -> list[int]:
@@ -278,14 +305,15 @@ class ShmHostTensorAllocator(HostTensorAllocator):
 
     @property
     def fd(self) -> int | None:
-        """sglang's `fd`: the newest live region's fd."""
+        """sglang's `fd`: the first (oldest live) region's fd."""
         fds = self.fds
-        return fds[-1] if fds else None
+        return fds[0] if fds else None
 
     @property
     def mm(self) -> mmap.mmap | None:
+        """sglang's `mm`: the first (oldest live) region's mapping."""
         mms = self.mms
-        return mms[-1] if mms else None
+        return mms[0] if mms else None
 
 
 class MmapHostTensorAllocator(HostTensorAllocator):

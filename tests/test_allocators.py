@@ -69,7 +69,7 @@ def test_allocator_holds_no_memory_of_its_own(no_leaked_fds: None) -> None:
     alloc = ShmHostTensorAllocator("weak")
     tensors = [alloc.allocate((64, 1024), torch.float16) for _ in range(3)]
     assert len(alloc.fds) == 3 and len(alloc.mms) == 3
-    assert alloc.fd == alloc.fds[-1]
+    assert alloc.fd == alloc.fds[0]  # sglang's: the first
     regions = alloc.regions
     ranges = [(r.address, r.mapped_bytes) for r in regions]
     del tensors, regions

@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, str] = {
     "inspect": "hostpool.cli.inspect",
     "exporter": "hostpool.cli.exporter",
     "doctor": "hostpool.cli.doctor",
+    "run": "hostpool.cli.run",
 }
 
 
