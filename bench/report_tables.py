@@ -145,6 +145,37 @@ def http_flood(data: dict[str, Any], _ctx: Any) -> str:
     return "\n".join(lines)
 
 
+def share_attacks(data: dict[str, Any], _ctx: Any) -> str:
+    """The share socket under attack (tests/reliability/test_share_*.py)."""
+    idle = data["idle_flood"]
+    fds = data["fd_exhaustion"]
+    trickle = data["trickling_server"]
+    return "\n".join(
+        [
+            f"Last run (`HOSTPOOL_RECORD_RESULTS=1 pytest tests/reliability/test_share_*.py`, "
+            f"{data['date'][:10]}, Linux {data['kernel']}):",
+            "",
+            "| attack | what held | figure |",
+            "| --- | --- | ---: |",
+            f"| {idle['connections_held']:,} idle connections from an allowed uid "
+            f"(`ulimit -n` {idle['rlimit_nofile']:,}) | server kept "
+            f"{idle['server_connections_kept']} sockets in all (cap {idle['per_uid_cap']} "
+            "per uid) | attach median "
+            f"{idle['attach_ms_flood_median']:.1f} ms, slowest {idle['attach_ms_flood_max']:.0f} "
+            f"ms of {idle['attaches']} (quiet: {idle['attach_ms_quiet_median']:.1f} ms) |",
+            f"| host at its fd limit (`ulimit -n` {fds['rlimit_nofile']}), connections pending "
+            f"| accept backs off | server CPU {fds['server_cpu_share_while_exhausted']:.1%} "
+            f"of a core; attached peer answered in {fds['existing_peer_answer_ms']:.0f} ms |",
+            "| host at its fd limit, idle connections held | idle ones closed for a new peer "
+            f"| attach {fds['attach_ms_exhausted_with_idle_connections']:.0f} ms |",
+            "| fds back after exhaustion | accepting again | attach within "
+            f"{fds['attach_ms_after_fds_return']:.0f} ms |",
+            f"| server trickling fd packets, `attach(timeout={trickle['attach_timeout_s']})` "
+            f"| one deadline | client released after {trickle['client_held_s']:.1f} s |",
+        ]
+    )
+
+
 TABLES = {
     "overhead": overhead,
     "scrape": scrape,
@@ -152,4 +183,5 @@ TABLES = {
     "leakcheck": leakcheck,
     "soak": soak,
     "http-flood": http_flood,
+    "share-attacks": share_attacks,
 }

@@ -140,7 +140,7 @@ def test_unsealed_and_short_fds_are_refused(tmp_path: os.PathLike[str]) -> None:
             "bytes": MiB,
             "seals": 0,
         }
-        protocol.send(conn, {"ok": True, "regions": [region], "fd_packets": 1})
+        protocol.send(conn, {"ok": True, "readonly": True, "regions": [region], "fd_packets": 1})
         protocol.send(conn, {"op": "fds", "index": 0}, [fd])
         time.sleep(0.5)
         conn.close()
@@ -269,3 +269,14 @@ def test_malformed_traffic_never_stops_the_server(
 
 
 shared_tensor_keepalive: list[object] = []
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"[" * 5000 + b"]" * 5000, b'{"v":2,"ok":' + b"9" * 5000 + b"}", b'{"v":2,"ok":\xff}'],
+    ids=["nested", "huge-integer", "bad-utf8"],
+)
+def test_malformed_packets_are_protocol_errors(body: bytes) -> None:
+    # json raises RecursionError and a plain ValueError for these, not JSONDecodeError.
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode(len(body).to_bytes(4, "big") + body)

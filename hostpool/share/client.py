@@ -13,6 +13,8 @@ import fcntl
 import mmap
 import os
 import socket
+import struct
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,41 +78,50 @@ def attach(
     path: str,
     pool: str,
     *,
-    readonly: bool = False,
+    readonly: bool | None = None,
     allow_unsealed: bool = False,
     prefault: bool = False,
     timeout: float = 30.0,
 ) -> AttachedPool:
-    """Attach to `pool` served at `path`. Raises ShareError when refused or unsafe,
-    ConnectionError when the server is unreachable."""
+    """Attach to `pool` served at `path`, within `timeout` seconds in all.
+
+    The server decides the access: `readonly=None` takes what it grants this uid (see
+    `AttachedPool.manifest["readonly"]` and `["reason"]`), `True` asks for read-only,
+    `False` insists on writable (refused unless granted). Raises ShareError when refused,
+    unsafe, malformed or past the deadline; ConnectionError when nothing listens there.
+    """
+    deadline = _Deadline(path, timeout)
+    access = "any" if readonly is None else ("read" if readonly else "write")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    sock.settimeout(timeout)
     fds: list[int] = []
     try:
+        deadline.connect(sock)
         try:
-            sock.connect(path)
-        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
-            # Name the path: "[Errno 2] No such file or directory" alone says nothing.
-            raise ShareError(
-                f"cannot attach to {path}: {exc.strerror} (is `hostpool serve "
-                "--share-socket` running with this path?)"
-            ) from exc
-        try:
-            protocol.send(sock, {"op": "attach", "pool": pool, "readonly": readonly})
-            manifest, _, received = protocol.receive(sock)
+            deadline.arm(sock)
+            protocol.send(sock, {"op": "attach", "pool": pool, "access": access})
+            manifest, _, received = deadline.receive(sock)
         except ConnectionError as exc:
             raise ShareError(
-                f"the server at {path} closed the connection: this uid is not allowed "
-                "(see the server's hostpool.share_refused event)"
+                f"the server at {path} closed the connection: this uid is not allowed, or "
+                "the server is at its connection cap (see its hostpool.share_refused event)"
             ) from exc
         if not manifest.get("ok"):
             raise ShareError(f"attach {pool!r} refused: {manifest.get('error')}")
         regions = manifest.get("regions")
         packets = manifest.get("fd_packets")
-        if not isinstance(regions, list) or not isinstance(packets, int) or packets < 1:
+        granted_readonly = manifest.get("readonly")
+        if (
+            not isinstance(regions, list)
+            or not isinstance(packets, int)
+            or not isinstance(granted_readonly, bool)
+            or packets != -(-len(regions) // protocol.MAX_FDS_PER_PACKET)
+        ):
             raise ShareError("malformed manifest")
+        if readonly is False and granted_readonly:
+            raise ShareError(f"attach {pool!r}: the server granted read-only access")
         for _ in range(packets):
-            message, got, n = protocol.receive(sock, max_fds=protocol.MAX_FDS_PER_PACKET)
+            deadline.arm(sock)
+            message, got, n = deadline.receive(sock, max_fds=protocol.MAX_FDS_PER_PACKET)
             fds.extend(got)
             received += n
             if message.get("op") != "fds":
@@ -118,15 +129,80 @@ def attach(
         if len(fds) != len(regions):
             raise ShareError(f"manifest lists {len(regions)} regions but {len(fds)} fds arrived")
         tensors = [
-            _map(fd, region, readonly=readonly, allow_unsealed=allow_unsealed, prefault=prefault)
+            _map(
+                fd,
+                region,
+                readonly=readonly or granted_readonly,
+                allow_unsealed=allow_unsealed,
+                prefault=prefault,
+            )
             for fd, region in zip(fds, regions, strict=True)
         ]
+    except TimeoutError as exc:  # connect or send past the deadline
+        sock.close()
+        raise deadline.expired() from exc
     except BaseException:
         sock.close()
         raise
     finally:
         protocol.close_all(fds)  # every mapping holds its own reference
+    sock.settimeout(timeout)  # later list/detach calls: each within the same bound
     return AttachedPool(pool, manifest, tensors, received, sock)
+
+
+class _Deadline:
+    """One deadline for a whole attach: every socket operation gets only what is left, so
+    a server trickling packets cannot hold the caller past `timeout`."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self.end = time.monotonic() + timeout
+
+    def left(self) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise self.expired()
+        return left
+
+    def arm(self, sock: socket.socket) -> None:
+        sock.settimeout(self.left())
+
+    def connect(self, sock: socket.socket) -> None:
+        """Connect, waiting for room in a full backlog until the deadline. (With a socket
+        timeout set, a Unix connect to a full backlog fails at once with EAGAIN; blocking,
+        it waits up to SO_SNDTIMEO.)"""
+        left = self.left()
+        sock.settimeout(None)
+        whole = int(left)
+        wait = struct.pack("ll", whole, max(1, int((left - whole) * 1e6)))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, wait)
+        try:
+            sock.connect(self.path)
+        except BlockingIOError as exc:
+            raise self.expired() from exc
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
+            # Name the path: "[Errno 2] No such file or directory" alone says nothing.
+            raise ShareError(
+                f"cannot attach to {self.path}: {exc.strerror} (is `hostpool serve "
+                "--share-socket` running with this path?)"
+            ) from exc
+        finally:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 0))
+
+    def expired(self) -> ShareError:
+        return ShareError(f"attach to {self.path} did not complete within {self.timeout} s")
+
+    def receive(
+        self, sock: socket.socket, *, max_fds: int = 0
+    ) -> tuple[dict[str, Any], list[int], int]:
+        self.arm(sock)
+        try:
+            return protocol.receive(sock, max_fds=max_fds)
+        except TimeoutError as exc:
+            raise self.expired() from exc
+        except protocol.ProtocolError as exc:
+            raise ShareError(f"malformed reply from {self.path}: {exc}") from exc
 
 
 def _map(
@@ -159,6 +235,8 @@ def _map(
             f"region {region.get('name')} is not sealed against shrinking: the server could "
             "truncate it and SIGBUS this process; pass allow_unsealed=True to accept that"
         )
+    if not readonly and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+        raise ShareError(f"region {region.get('name')}: the server sent a read-only fd")
     if readonly:
         mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         if prefault:

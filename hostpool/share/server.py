@@ -1,31 +1,36 @@
 """PoolShareServer: hands a pool's fds and a manifest to authorised peers.
 
-Every connection is checked with SO_PEERCRED; by default only this process's uid may
-connect (the socket is 0600 in a 0700 directory). Each connection has its own thread and
-never holds a hostpool lock while sending, so a slow peer slows only itself.
+Every connection is checked with SO_PEERCRED: only this uid and `allowed_uids` may
+connect (the socket is 0600 in a private directory unless other uids are allowed). The
+server, not the peer, decides each uid's access (`hostpool.share.access`): read-only
+unless the uid is in `writable_uids`, and writable only for memfds sealed against
+shrinking. Connections are served by one event loop with caps and deadlines
+(`hostpool.share.loop`); the socket's path is claimed and given back by
+`hostpool.share.socketpath`. No hostpool lock is held while sending.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import itertools
+import functools
+import logging
 import os
-import socket
-import stat
-import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from hostpool import events
-from hostpool.errors import ConfigError
+from hostpool.errors import ShareError
 from hostpool.lifecycle import Ledger, get_ledger
 from hostpool.manager import HostPoolManager
 from hostpool.memory.region import Region
 from hostpool.share import protocol
+from hostpool.share.access import AccessPolicy, Grant
+from hostpool.share.loop import FD_SHORTAGE, Limits, Peer, ShareLoop
+from hostpool.share.socketpath import SocketPath
 
-SEND_TIMEOUT = 5.0
+Packets = list[tuple[bytes, list[int]]]
+BACKLOG = 512  # queued connections cost no fd; a legitimate one waits there in a flood
 
 
 class PoolShareServer:
@@ -35,72 +40,62 @@ class PoolShareServer:
         path: str,
         *,
         allowed_uids: Iterable[int] | None = None,
+        writable_uids: Iterable[int] | None = None,
+        max_connections: int | None = None,
+        max_connections_per_uid: int | None = None,
+        request_timeout: float = 10.0,
+        send_timeout: float = 5.0,
         ledger: Ledger | None = None,
     ) -> None:
+        """`allowed_uids` may attach read-only, `writable_uids` also writable (this process's
+        uid is both). Connections are capped in total (default: a quarter of
+        RLIMIT_NOFILE, at most 256) and per uid (a quarter of that); a connection must send
+        a request within `request_timeout` seconds unless it holds an attachment."""
         self.manager = manager
-        self.path = os.path.abspath(path)
-        self.allowed_uids = frozenset(allowed_uids or ()) | {os.geteuid()}
-        self._open_to_others = bool(allowed_uids)
+        self.policy = AccessPolicy(allowed_uids or (), writable_uids or ())
+        self.allowed_uids = self.policy.allowed
+        self.limits = Limits.default(
+            max_connections, max_connections_per_uid, request_timeout, send_timeout
+        )
+        self._where = SocketPath(path, open_to_others=bool(self.allowed_uids - {os.geteuid()}))
+        self.path = self._where.path
         self.ledger = ledger or get_ledger()
-        self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._attached: dict[str, set[int]] = {}
-        self._held: dict[int, dict[str, list[int]]] = {}  # conn -> pool -> region ids
-        self._conn_ids = itertools.count(1)
-        self._threads: list[threading.Thread] = []
-        self._sock: socket.socket | None = None
-        self._created_dir = False
+        self._attached: dict[str, set[int]] = {}  # pool -> peer ids
+        self._held: dict[int, dict[str, list[int]]] = {}  # peer id -> pool -> region ids
+        self._loop: ShareLoop | None = None
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> PoolShareServer:
-        directory = os.path.dirname(self.path)
-        dir_mode = 0o711 if self._open_to_others else 0o700
-        if not os.path.isdir(directory):
-            os.makedirs(directory, mode=dir_mode)
-            self._created_dir = True
-        st = os.stat(directory)
-        if st.st_uid != os.geteuid():
-            raise ConfigError(
-                f"share socket directory {directory} belongs to uid {st.st_uid}: use a "
-                "directory of this user (its mode is set to 0700, or 0711 with allowed_uids)"
-            )
-        os.chmod(directory, dir_mode)
-        try:
-            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                os.unlink(self.path)  # a stale socket from a dead server
-            else:
-                raise ConfigError(f"{self.path} exists and is not a socket; not replacing it")
-        except FileNotFoundError:
-            pass
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        sock.bind(self.path)
-        os.chmod(self.path, 0o666 if self._open_to_others else 0o600)
-        sock.listen(64)
-        sock.settimeout(0.2)
-        self._sock = sock
-        self.ledger.share_clients = self.attached_counts
-        thread = threading.Thread(target=self._accept_loop, name="hostpool-share", daemon=True)
-        thread.start()
-        self._threads.append(thread)
+        """Listen; raises ShareSocketInUseError when a server answers at the path already,
+        ConfigError for a path or directory that is not safe to use."""
+        listener = self._where.listen(BACKLOG)
+        self._loop = ShareLoop(
+            listener,
+            allowed=self.policy.may_connect,
+            handler=self._handle,
+            on_close=self._gone,
+            limits=self.limits,
+        )
+        self.ledger.add_share_source(self.attached_counts)
+        self._loop.start()
         events.info(
-            "hostpool.share_listening", path=self.path, allowed_uids=sorted(self.allowed_uids)
+            "hostpool.share_listening",
+            path=self.path,
+            allowed_uids=sorted(self.allowed_uids),
+            writable_uids=sorted(self.policy.writable),
+            max_connections=self.limits.max_connections,
+            max_connections_per_uid=self.limits.max_per_uid,
         )
         return self
 
     def close(self) -> None:
-        self._stop.set()
-        for thread in list(self._threads):
-            thread.join(timeout=5)
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        if self._created_dir:
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(self.path))
-        if self.ledger.share_clients == self.attached_counts:
-            self.ledger.share_clients = None
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.stop()
+            loop.listener.close()
+            self.ledger.remove_share_source(self.attached_counts)
+        self._where.release()
 
     def __enter__(self) -> PoolShareServer:
         return self.start()
@@ -111,80 +106,28 @@ class PoolShareServer:
     def attached_counts(self) -> dict[str, int]:
         """Peers attached per pool (feeds hostpool_attached_clients)."""
         with self._lock:
-            return {pool: len(conns) for pool, conns in self._attached.items()}
+            return {pool: len(peers) for pool, peers in self._attached.items()}
 
-    # -- connections -----------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                continue
-            pid, uid, _gid = struct.unpack(
-                "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            )
-            if uid not in self.allowed_uids:
-                events.warning("hostpool.share_refused", pid=pid, uid=uid, reason="uid not allowed")
-                conn.close()
-                continue
-            conn_id = next(self._conn_ids)
-            thread = threading.Thread(
-                target=self._serve,
-                args=(conn, conn_id, pid, uid),
-                daemon=True,
-                name=f"hostpool-share-{conn_id}",
-            )
-            self._threads = [t for t in self._threads if t.is_alive()]
-            self._threads.append(thread)
-            thread.start()
-
-    def _serve(self, conn: socket.socket, conn_id: int, pid: int, uid: int) -> None:
-        conn.setsockopt(
-            socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT), 0)
-        )
-        conn.settimeout(0.5)
-        try:
-            while not self._stop.is_set():
-                try:
-                    message, _, _ = protocol.receive(conn)
-                except TimeoutError:
-                    continue
-                self._handle(conn, conn_id, message)
-        except (ConnectionError, OSError) as exc:
-            if not isinstance(exc, ConnectionError) and exc.errno not in (errno.EPIPE, errno.EBADF):
-                events.info("hostpool.share_peer_error", pid=pid, error=str(exc))
-        except protocol.ProtocolError as exc:
-            events.warning("hostpool.share_malformed", pid=pid, uid=uid, error=str(exc))
-        finally:
-            conn.close()
-            self._detach_all(conn_id)
-            events.info("hostpool.share_peer_gone", pid=pid)
-
-    def _handle(self, conn: socket.socket, conn_id: int, message: dict[str, Any]) -> None:
+    # -- requests (on the loop's thread) ---------------------------------------------
+    def _handle(self, peer: Peer, message: dict[str, Any]) -> Packets:
         op = message.get("op")
         if op == "list":
-            protocol.send(conn, {"ok": True, "pools": self._list()})
-        elif op == "attach":
-            pool = message.get("pool")
-            readonly = message.get("readonly", False)
-            if not isinstance(pool, str) or not isinstance(readonly, bool):
-                raise protocol.ProtocolError("attach needs pool (string) and readonly (bool)")
-            self._attach(conn, conn_id, pool, readonly)
-        elif op == "detach":
+            return [(protocol.encode({"ok": True, "pools": self._list()}), [])]
+        if op == "attach":
+            pool, access = message.get("pool"), message.get("access")
+            if not isinstance(pool, str) or access not in protocol.ACCESS:
+                raise protocol.ProtocolError(
+                    "attach needs pool (string) and access (read|write|any)"
+                )
+            return self._attach(peer, pool, str(access))
+        if op == "detach":
             pool = message.get("pool")
             if not isinstance(pool, str):
                 raise protocol.ProtocolError("detach needs pool (string)")
-            self._detach(conn_id, pool)
-            protocol.send(conn, {"ok": True})
-        else:
-            raise protocol.ProtocolError(f"unknown op {op!r}")
+            self._detach(peer, pool)
+            return [(protocol.encode({"ok": True}), [])]
+        raise protocol.ProtocolError(f"unknown op {op!r}")
 
-    # -- operations ------------------------------------------------------------------
     def _regions(self, pool: str) -> list[tuple[Region, Any]]:
         allocator = self.manager.allocator_for(pool)
         if allocator is None:
@@ -209,19 +152,67 @@ class PoolShareServer:
                 )
         return out
 
-    def _attach(self, conn: socket.socket, conn_id: int, pool: str, readonly: bool) -> None:
+    def _attach(self, peer: Peer, pool: str, access: str) -> Packets:
+        if pool in peer.pools:
+            return _refusal(f"pool {pool!r} is already attached on this connection")
         fds: list[int] = []
+        try:
+            try:
+                manifest, named = self._borrow(peer, pool)
+            except OSError as exc:
+                return self._failed(
+                    peer, pool, f"server cannot open the pool's fds: {exc.strerror}"
+                )
+            fds = [fd for _, fd in named]
+            if not manifest:
+                return _refusal(f"no shareable pool {pool!r}")
+            try:
+                grant = self.policy.decide(peer.uid, access, named)
+            except ShareError as exc:
+                return self._failed(peer, pool, str(exc))
+            if grant.readonly:
+                fds = self._reopen_readonly(peer, fds)
+            if grant.reason is not None:  # an unsealed region is news; a policy is not
+                events.emit(
+                    "hostpool.share_readonly",
+                    logging.WARNING if grant.unsafe else logging.INFO,
+                    pool=pool,
+                    pid=peer.pid,
+                    uid=peer.uid,
+                    reason=grant.reason,
+                )
+            packets = self._packets(pool, manifest, fds, grant)
+        except BaseException:
+            protocol.close_all(fds)
+            raise
+        ids = [m["id"] for m in manifest]
+        peer.pools[pool] = ids
+        with self._lock:
+            self._attached.setdefault(pool, set()).add(peer.id)
+            self._held.setdefault(peer.id, {})[pool] = ids
+        self._update_peers(ids)
+        events.info(
+            "hostpool.share_attach",
+            pool=pool,
+            pid=peer.pid,
+            uid=peer.uid,
+            regions=len(manifest),
+            readonly=grant.readonly,
+        )
+        return packets
+
+    def _borrow(self, peer: Peer, pool: str) -> tuple[list[dict[str, Any]], list[tuple[str, int]]]:
+        """The pool's manifest and a verified dup of each region's fd (the caller closes)."""
         manifest: list[dict[str, Any]] = []
+        named: list[tuple[str, int]] = []
         try:
             for region, entry in self._regions(pool):
-                fd = region.borrow_fd()
+                fd = self._with_fds(peer, region.borrow_fd)
                 if fd is None:
-                    continue  # released meanwhile
-                if readonly:
-                    ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-                    os.close(fd)
-                    fd = ro
-                fds.append(fd)
+                    if region.fd is not None:  # still held: the dup failed, not a release
+                        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+                    continue
+                named.append((region.name or str(region.id), fd))
                 manifest.append(
                     {
                         "id": region.id,
@@ -236,63 +227,93 @@ class PoolShareServer:
                         "backend": region.backend,
                     }
                 )
-            if not manifest:
-                protocol.send(conn, {"ok": False, "error": f"no shareable pool {pool!r}"})
-                return
-            packets = [
-                fds[i : i + protocol.MAX_FDS_PER_PACKET]
-                for i in range(0, len(fds), protocol.MAX_FDS_PER_PACKET)
-            ]
-            with self._lock:
-                self._attached.setdefault(pool, set()).add(conn_id)
-                held = self._held.setdefault(conn_id, {})
-                held[pool] = [m["id"] for m in manifest]
-            self._update_peers(m["id"] for m in manifest)
-            protocol.send(
-                conn,
-                {
-                    "ok": True,
-                    "pool": pool,
-                    "readonly": readonly,
-                    "generation": max(m["id"] for m in manifest),
-                    "regions": manifest,
-                    "fd_packets": len(packets),
-                },
-            )
-            for index, chunk in enumerate(packets):
-                protocol.send(conn, {"op": "fds", "index": index}, chunk)
-            events.info(
-                "hostpool.share_attach", pool=pool, regions=len(manifest), readonly=readonly
-            )
+        except BaseException:
+            protocol.close_all([fd for _, fd in named])
+            raise
+        return manifest, named
+
+    def _reopen_readonly(self, peer: Peer, fds: list[int]) -> list[int]:
+        """O_RDONLY fds of the same inodes (replacing, and closing, `fds`)."""
+        out: list[int] = []
+        try:
+            for fd in fds:
+                out.append(self._with_fds(peer, functools.partial(_open_readonly, fd)))
+        except BaseException:
+            protocol.close_all(out)
+            raise
         finally:
             protocol.close_all(fds)
+        return out
 
-    def _detach(self, conn_id: int, pool: str) -> None:
+    def _with_fds(self, peer: Peer, opener: Callable[[], Any]) -> Any:
+        """Run `opener`; on fd exhaustion close an idle connection (not `peer`) and retry."""
+        while True:
+            try:
+                return opener()
+            except OSError as exc:
+                loop = self._loop
+                if exc.errno not in FD_SHORTAGE or loop is None:
+                    raise
+                if not loop.evict_one("fd limit reached while serving an attach", spare=peer):
+                    raise
+
+    def _packets(
+        self, pool: str, manifest: list[dict[str, Any]], fds: list[int], grant: Grant
+    ) -> Packets:
+        chunks = [
+            fds[i : i + protocol.MAX_FDS_PER_PACKET]
+            for i in range(0, len(fds), protocol.MAX_FDS_PER_PACKET)
+        ]
+        head = {
+            "ok": True,
+            "pool": pool,
+            "readonly": grant.readonly,
+            "reason": grant.reason,
+            "generation": max(m["id"] for m in manifest),
+            "regions": manifest,
+            "fd_packets": len(chunks),
+        }
+        packets: Packets = [(protocol.encode(head), [])]
+        packets += [(protocol.encode({"op": "fds", "index": i}), c) for i, c in enumerate(chunks)]
+        return packets
+
+    def _failed(self, peer: Peer, pool: str, reason: str) -> Packets:
+        events.warning(
+            "hostpool.share_refused", pool=pool, pid=peer.pid, uid=peer.uid, reason=reason
+        )
+        return _refusal(reason)
+
+    # -- detaching -------------------------------------------------------------------
+    def _detach(self, peer: Peer, pool: str) -> None:
+        ids = peer.pools.pop(pool, [])
         with self._lock:
-            conns = self._attached.get(pool, set())
-            conns.discard(conn_id)
-            ids = self._held.get(conn_id, {}).pop(pool, [])
+            self._attached.get(pool, set()).discard(peer.id)
+            self._held.get(peer.id, {}).pop(pool, None)
         self._update_peers(ids)
 
-    def _detach_all(self, conn_id: int) -> None:
-        with self._lock:
-            pools = list(self._held.get(conn_id, {}))
+    def _gone(self, peer: Peer) -> None:
+        pools = list(peer.pools)
         for pool in pools:
-            self._detach(conn_id, pool)
+            self._detach(peer, pool)
         with self._lock:
-            self._held.pop(conn_id, None)
+            self._held.pop(peer.id, None)
+        if pools:  # connections that never attached come and go in floods: not news
+            events.info("hostpool.share_peer_gone", pid=peer.pid, uid=peer.uid, pools=pools)
 
     def _update_peers(self, region_ids: Iterable[int]) -> None:
         ids = list(region_ids)
         with self._lock:
             counts = {
-                rid: sum(
-                    1
-                    for held in self._held.values()
-                    for pool_ids in held.values()
-                    if rid in pool_ids
-                )
+                rid: sum(1 for held in self._held.values() for got in held.values() if rid in got)
                 for rid in ids
             }
         for rid, n in counts.items():
             self.ledger.set_peers(rid, n)
+
+
+def _open_readonly(fd: int) -> int:
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def _refusal(reason: str) -> Packets:
+    return [(protocol.encode({"ok": False, "error": reason}), [])]

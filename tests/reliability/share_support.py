@@ -1,0 +1,157 @@
+"""What the share-socket attack tests have in common: a share server in its own process (so
+a SIGBUS or a spinning loop shows as that process's fate, not the test runner's), a
+directory every uid can reach, and the figures file the README's attack section is
+generated from (bench/results/share-attacks.json, written by `make soak` or with
+HOSTPOOL_RECORD_RESULTS=1)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import helpers
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "share-attacks.json"
+RECORD = os.environ.get("HOSTPOOL_SOAK") == "1" or os.environ.get("HOSTPOOL_RECORD_RESULTS") == "1"
+NOBODY = 65534
+
+# A share server: pools `fallback` (a /dev/shm file: cannot be sealed) and `sealed` (a
+# memfd), 1 MiB each, filled with 1 and 2. Commands on stdin, one answer line each:
+# `touch` reads every page of both pools and prints the sum (a truncated region kills it
+# with SIGBUS here); `exhaust` opens /dev/null until EMFILE, as a host application at its
+# fd limit would; `release` closes those again. argv: path, PoolShareServer keyword
+# arguments as JSON, a log file its events are appended to, and optionally an
+# RLIMIT_NOFILE.
+SERVER = """
+import json, logging, os, resource, sys
+import torch
+from hostpool import HostPoolManager
+from hostpool.share import PoolShareServer
+path, options, log = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+if len(sys.argv) > 4:
+    limit = int(sys.argv[4])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+logging.basicConfig(level=logging.INFO, filename=log, format="%(message)s")
+m = HostPoolManager()
+a = m.allocator("fallback", shm_backend="devshm").allocate((1 << 20,), torch.uint8)
+a.fill_(1)
+b = m.allocator("sealed").allocate((1 << 20,), torch.uint8)
+b.fill_(2)
+server = PoolShareServer(m, path, **options).start()
+ballast = []
+print("ready", flush=True)
+for line in sys.stdin:
+    if line.strip() == "exhaust":
+        while True:
+            try:
+                ballast.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                break
+        print(len(ballast), flush=True)
+    elif line.strip() == "release":
+        print(len(ballast), flush=True)
+        while ballast:
+            os.close(ballast.pop())
+    else:
+        print(int(a.sum()) + int(b.sum()), flush=True)
+server.close()
+"""
+FULL_SUM = (1 << 20) * 1 + (1 << 20) * 2
+
+
+class Server:
+    """A share server process; `log` collects its events."""
+
+    def __init__(self, path: str, log: str, *args: str, **options: object) -> None:
+        self.log = log
+        self.proc = helpers.python_child(SERVER, path, json.dumps(options), log, *args)
+        self.pid = self.proc.pid
+
+    def touch(self) -> int | None:
+        """Make the server read every page of its pools: their sum, or None if it died."""
+        return self.command("touch")
+
+    def command(self, what: str) -> int | None:
+        """Send a command; its answer, or None if the server died."""
+        proc = self.proc
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(what + "\n")
+            proc.stdin.flush()
+        except BrokenPipeError:
+            return None
+        line = proc.stdout.readline()
+        return int(line) if line.strip() else None
+
+    def events(self) -> str:
+        return Path(self.log).read_text() if os.path.exists(self.log) else ""
+
+    def cpu_seconds(self) -> float:
+        """user + system time of the server process so far, from /proc."""
+        with open(f"/proc/{self.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> int:
+        """Close the server's stdin; its exit code (negative: killed by that signal)."""
+        proc = self.proc
+        assert proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        return proc.returncode
+
+
+def fds_of(pool: str) -> list[int]:
+    """This process's fds of `pool` (the mapping's own dup included)."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if f"hostpool.{pool}." in target:
+            out.append(int(name))
+    return out
+
+
+@pytest.fixture
+def public_dir(root: None) -> Iterator[str]:
+    """A directory every uid can traverse (pytest's tmp_path is 0700)."""
+    top = tempfile.mkdtemp(prefix="hostpool-share-", dir="/tmp")
+    os.chmod(top, 0o755)
+    yield top
+    shutil.rmtree(top, ignore_errors=True)
+
+
+def record(section: str, figures: dict[str, object]) -> None:
+    """Merge one test's figures into the results file (only in `make soak` runs)."""
+    if not RECORD:
+        return
+    import platform
+    import time
+
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    data.update(
+        {
+            "benchmark": "share-attacks",
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "kernel": platform.release(),
+            section: figures,
+        }
+    )
+    RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,196 @@
+"""Issue 17.3: connection floods. Thousands of idle connections from another (allowed) uid
+must not delay a legitimate attach; at RLIMIT_NOFILE exhaustion the accept loop backs off
+instead of spinning, and the server keeps serving the peers it has."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import select
+import socket
+import statistics
+import struct
+import time
+from dataclasses import dataclass
+
+from hostpool.errors import ShareError
+from hostpool.share import attach
+from tests.reliability.share_support import NOBODY, Server, public_dir, record
+
+__all__ = ["public_dir"]
+FLOOD = 3000
+
+
+@dataclass
+class Flood:
+    """A process of another uid holding connections to the share socket."""
+
+    pid: int
+    stop_w: int
+    report: dict[str, int]
+
+    def end(self) -> None:
+        os.close(self.stop_w)
+        os.waitpid(self.pid, 0)
+
+
+def flood(path: str, count: int, *, uid: int) -> Flood:
+    """Open `count` connections as `uid` and hold them; returns once they are open, with
+    how many the process holds."""
+    ready_r, ready_w = os.pipe()
+    stop_r, stop_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the attacker
+        code = 0
+        try:
+            os.close(ready_r)
+            os.close(stop_w)
+            limit = count + 1024
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            held = []
+            for _ in range(count):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                # blocking, so a full backlog is waited for (up to 2 s), not EAGAIN at once
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 2, 0))
+                try:
+                    s.connect(path)
+                except OSError:
+                    s.close()
+                    break  # the server stopped accepting: hold what we have
+                held.append(s)
+            report = {"held": len(held)}
+            os.write(ready_w, json.dumps(report).encode() + b"\n")
+            os.read(stop_r, 1)
+        except BaseException as exc:
+            os.write(ready_w, json.dumps({"error": repr(exc)}).encode() + b"\n")
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    os.close(stop_r)
+    ready, _, _ = select.select([ready_r], [], [], 120)
+    line = os.read(ready_r, 4096) if ready else b"{}"
+    os.close(ready_r)
+    report = json.loads(line or b"{}")
+    assert "error" not in report, report
+    return Flood(pid, stop_w, report)
+
+
+def _timed_attach(path: str) -> float:
+    start = time.perf_counter()
+    with attach(path, "sealed", timeout=5) as h:
+        assert int(h.tensors[0][:4096].sum()) == 2 * 4096
+    return time.perf_counter() - start
+
+
+def _server_sockets(pid: int) -> int:
+    count = 0
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:"):
+                count += 1
+        except OSError:
+            continue
+    return count
+
+
+def test_3000_idle_connections_do_not_delay_an_attach(public_dir: str) -> None:
+    path = os.path.join(public_dir, "s", "pool.sock")
+    server = Server(path, os.path.join(public_dir, "events.log"), "1024", allowed_uids=[NOBODY])
+    try:
+        quiet = [_timed_attach(path) for _ in range(20)]
+        attacker = flood(path, FLOOD, uid=NOBODY)
+        try:
+            assert attacker.report["held"] == FLOOD
+            kept = _server_sockets(server.pid)
+            loaded = [_timed_attach(path) for _ in range(20)]
+        finally:
+            attacker.end()
+        assert max(loaded) < 1.0, loaded
+        found = re.search(r"max_connections_per_uid=(\d+)", server.events())
+        assert found is not None
+        cap = int(found.group(1))
+        assert kept <= cap + 4  # the per-uid cap, the listener, the loop's own pair, ours
+        assert server.touch() is not None
+        record(
+            "idle_flood",
+            {
+                "connections_held": attacker.report["held"],
+                "server_connections_kept": kept,
+                "per_uid_cap": cap,
+                "rlimit_nofile": 1024,
+                "attach_ms_quiet_median": round(statistics.median(quiet) * 1e3, 2),
+                "attach_ms_flood_median": round(statistics.median(loaded) * 1e3, 2),
+                "attach_ms_flood_max": round(max(loaded) * 1e3, 2),
+                "attaches": len(loaded),
+            },
+        )
+    finally:
+        assert server.stop() == 0
+
+
+def test_fd_exhaustion_backs_off_and_keeps_serving(public_dir: str) -> None:
+    path = os.path.join(public_dir, "s", "pool.sock")
+    server = Server(path, os.path.join(public_dir, "events.log"), "128", allowed_uids=[NOBODY])
+    try:
+        with attach(path, "sealed", timeout=5) as mine:
+            # 1. The application holds every fd; the only connection is an attached peer,
+            # which cannot be evicted: pending connections wait, the loop backs off.
+            assert (server.command("exhaust") or 0) > 0
+            attacker = flood(path, 50, uid=NOBODY)
+            try:
+                time.sleep(0.5)
+                before, start = server.cpu_seconds(), time.monotonic()
+                time.sleep(2.0)
+                cpu = (server.cpu_seconds() - before) / (time.monotonic() - start)
+                start = time.monotonic()
+                pools = mine.list_pools()  # a peer it already has is still served
+                answer = time.monotonic() - start
+                server.command("release")
+                recovered = _attach_within(path, 5.0)  # back-off is at most 1 s
+            finally:
+                attacker.end()
+            assert cpu < 0.1, f"share server used {cpu:.0%} of a core while out of fds"
+            assert {p["pool"] for p in pools} == {"fallback", "sealed"} and answer < 1.0
+            assert "hostpool.share_accept_paused" in server.events()
+
+            # 2. Idle connections hold fds when the application runs out: they pay for a
+            # legitimate attach (closed oldest first), which completes at once.
+            attacker = flood(path, 20, uid=NOBODY)
+            try:
+                time.sleep(0.5)
+                assert (server.command("exhaust") or 0) > 0
+                exhausted = _timed_attach(path)
+                server.command("release")
+            finally:
+                attacker.end()
+            assert exhausted < 1.0
+        assert server.touch() is not None
+        record(
+            "fd_exhaustion",
+            {
+                "rlimit_nofile": 128,
+                "server_cpu_share_while_exhausted": round(cpu, 4),
+                "existing_peer_answer_ms": round(answer * 1e3, 2),
+                "attach_ms_after_fds_return": round(recovered * 1e3, 2),
+                "attach_ms_exhausted_with_idle_connections": round(exhausted * 1e3, 2),
+            },
+        )
+    finally:
+        assert server.stop() == 0
+
+
+def _attach_within(path: str, seconds: float) -> float:
+    """Retry an attach until it succeeds (seconds from the first try), or fail the test."""
+    start = time.monotonic()
+    while True:
+        try:
+            _timed_attach(path)
+            return time.monotonic() - start
+        except ShareError:
+            assert time.monotonic() - start < seconds, f"no attach within {seconds} s"

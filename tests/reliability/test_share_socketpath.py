@@ -1,0 +1,108 @@
+"""Issue 17.2: the share socket never changes directories it did not create, refuses a
+live socket at its path, and removes only what this process created."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+
+import pytest
+from structlog.testing import capture_logs
+
+from hostpool import HostPoolManager
+from hostpool.errors import ConfigError, ShareSocketInUseError
+from hostpool.share import PoolShareServer, attach
+from tests.reliability.share_support import FULL_SUM, NOBODY, Server
+
+
+def _mode(path: str) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.mark.parametrize("allowed", [None, [NOBODY]])
+def test_existing_directory_keeps_its_mode(tmp_path: os.PathLike[str], allowed: object) -> None:
+    shared_tmp = os.path.join(tmp_path, "var-tmp")  # like /var/tmp: 1777, root's
+    os.mkdir(shared_tmp)
+    os.chmod(shared_tmp, 0o1777)
+    path = os.path.join(shared_tmp, "x.sock")
+    with HostPoolManager() as manager:
+        server = PoolShareServer(manager, path, allowed_uids=allowed).start()  # type: ignore[arg-type]
+        try:
+            assert _mode(shared_tmp) == 0o1777
+            assert stat.S_ISSOCK(os.lstat(path).st_mode)
+        finally:
+            server.close()
+    assert _mode(shared_tmp) == 0o1777
+    assert os.listdir(shared_tmp) == []  # its own socket removed, nothing else touched
+
+
+def test_directories_it_creates_are_private_and_removed(tmp_path: os.PathLike[str]) -> None:
+    top = os.path.join(tmp_path, "a")
+    path = os.path.join(top, "b", "pool.sock")
+    old_umask = os.umask(0)  # the mode must not depend on the caller's umask
+    try:
+        with HostPoolManager() as manager, PoolShareServer(manager, path):
+            assert _mode(top) == 0o700 and _mode(os.path.dirname(path)) == 0o700
+            assert _mode(path) == 0o600
+        with (
+            HostPoolManager() as manager,
+            PoolShareServer(manager, path, allowed_uids=[NOBODY]),
+        ):
+            assert _mode(top) == 0o711  # others may traverse, not list
+            assert _mode(path) == 0o666  # SO_PEERCRED decides
+    finally:
+        os.umask(old_umask)
+    assert not os.path.exists(top)
+    assert os.listdir(tmp_path) == []
+
+
+def test_directory_others_could_write_is_refused(tmp_path: os.PathLike[str]) -> None:
+    loose = os.path.join(tmp_path, "loose")
+    os.mkdir(loose)
+    os.chmod(loose, 0o777)  # no sticky bit: anyone could swap the socket
+    with HostPoolManager() as manager, pytest.raises(ConfigError, match="sticky"):
+        PoolShareServer(manager, os.path.join(loose, "pool.sock")).start()
+    assert _mode(loose) == 0o777 and os.listdir(loose) == []
+
+
+def test_live_socket_is_refused_and_left_serving(tmp_path: os.PathLike[str]) -> None:
+    path = os.path.join(tmp_path, "d", "pool.sock")
+    first = Server(path, os.path.join(tmp_path, "events.log"))
+    try:
+        inode = os.lstat(path).st_ino
+        with HostPoolManager() as manager, pytest.raises(ShareSocketInUseError, match="already"):
+            PoolShareServer(manager, path).start()
+        assert os.lstat(path).st_ino == inode  # not unlinked, not replaced
+        with attach(path, "sealed") as h:  # the first server still answers
+            assert int(h.tensors[0].sum()) == 2 << 20
+        assert first.touch() == FULL_SUM
+    finally:
+        first.proc.send_signal(signal.SIGKILL)  # dies without removing its socket
+        first.stop()
+    assert stat.S_ISSOCK(os.lstat(path).st_mode)  # stale now: nobody listens
+    with capture_logs() as logs, HostPoolManager() as manager, PoolShareServer(manager, path):
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+    assert [e["path"] for e in logs if e["event"] == "hostpool.share_stale_socket_removed"] == [
+        path
+    ]
+    assert not os.path.exists(path)
+
+
+def test_socket_someone_else_put_there_is_not_removed(tmp_path: os.PathLike[str]) -> None:
+    path = os.path.join(tmp_path, "d", "pool.sock")
+    with HostPoolManager() as manager:
+        server = PoolShareServer(manager, path).start()
+        os.unlink(path)  # an operator moved ours away and another program bound there
+        other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        other.bind(path)
+        other.listen(1)
+        try:
+            server.close()
+            assert stat.S_ISSOCK(os.lstat(path).st_mode)  # theirs, still there
+            assert os.path.isdir(os.path.dirname(path))  # and so its directory
+        finally:
+            other.close()
+            os.unlink(path)
+
