@@ -105,4 +105,3 @@ def test_socket_someone_else_put_there_is_not_removed(tmp_path: os.PathLike[str]
         finally:
             other.close()
             os.unlink(path)
-
