@@ -15,8 +15,10 @@ import struct
 import time
 from dataclasses import dataclass
 
+import torch
+
 from hostpool.errors import ShareError
-from hostpool.share import attach
+from hostpool.share import attach, protocol
 from tests.reliability.share_support import NOBODY, Server, public_dir, record
 
 __all__ = ["public_dir"]
@@ -194,3 +196,47 @@ def _attach_within(path: str, seconds: float) -> float:
             return time.monotonic() - start
         except ShareError:
             assert time.monotonic() - start < seconds, f"no attach within {seconds} s"
+
+
+def test_every_connection_has_a_deadline(tmp_path: os.PathLike[str]) -> None:
+    from structlog.testing import capture_logs
+
+    from hostpool import HostPoolManager
+    from hostpool.share import PoolShareServer
+
+    path = os.path.join(tmp_path, "s", "pool.sock")
+    with HostPoolManager() as manager, capture_logs() as logs:
+        t = manager.allocator("kv").allocate((4096,), torch.uint8)
+        with PoolShareServer(manager, path, request_timeout=0.5, send_timeout=0.5):
+            # Silent after connecting: closed at the request deadline.
+            silent = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            silent.settimeout(5)
+            silent.connect(path)
+            start = time.monotonic()
+            assert silent.recv(64) == b""
+            closed_after = time.monotonic() - start
+            silent.close()
+            # Attached: may stay quiet for as long as it maps the pool.
+            with attach(path, "kv", timeout=5) as h:
+                time.sleep(1.5)
+                assert [p["pool"] for p in h.list_pools()] == ["kv"]
+            # Asking without ever reading the answers: closed at the send deadline.
+            greedy = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            greedy.connect(path)
+            greedy.setblocking(False)
+            request = protocol.encode({"op": "list"})
+            deadline = time.monotonic() + 10
+            gone = False
+            while not gone and time.monotonic() < deadline:
+                try:
+                    greedy.send(request)
+                except BlockingIOError:
+                    time.sleep(0.05)
+                except OSError:
+                    gone = True  # EPIPE/ECONNRESET: the server closed it
+            greedy.close()
+        del t
+    assert 0.4 < closed_after < 2.0, closed_after
+    assert gone, "a peer that never reads its replies was not closed"
+    reasons = [e["reason"] for e in logs if e["event"] == "hostpool.share_timeout"]
+    assert reasons == ["no request", "reply not read"], reasons
