@@ -21,6 +21,9 @@ from hostpool import HostPoolManager
 from hostpool.errors import ShareError
 from hostpool.share import PoolShareServer, attach, protocol
 from tests import helpers
+from tests.reliability.share_support import public_dir
+
+__all__ = ["public_dir"]  # a fixture
 
 MiB = 1 << 20
 
@@ -154,18 +157,6 @@ def test_unsealed_and_short_fds_are_refused(tmp_path: os.PathLike[str]) -> None:
     th.join()
     os.close(fd)
     listener.close()
-
-
-@pytest.fixture
-def public_dir(root: None) -> Iterator[str]:
-    """A directory every uid can traverse (pytest's tmp_path is 0700)."""
-    import shutil
-    import tempfile
-
-    top = tempfile.mkdtemp(prefix="hostpool-share-", dir="/tmp")
-    os.chmod(top, 0o755)
-    yield top
-    shutil.rmtree(top, ignore_errors=True)
 
 
 def test_peer_credentials_and_readonly_as_another_uid(public_dir: str) -> None:
