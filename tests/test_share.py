@@ -271,3 +271,18 @@ def test_malformed_packets_are_protocol_errors(body: bytes) -> None:
     # json raises RecursionError and a plain ValueError for these, not JSONDecodeError.
     with pytest.raises(protocol.ProtocolError):
         protocol.decode(len(body).to_bytes(4, "big") + body)
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [{"max_connections": 0}, {"max_connections_per_uid": -1}, {"request_timeout": 0}],
+)
+def test_nonsensical_limits_are_config_errors(
+    tmp_path: os.PathLike[str], limits: dict[str, float]
+) -> None:
+    from hostpool.errors import ConfigError
+
+    path = os.path.join(tmp_path, "s", "pool.sock")
+    with HostPoolManager() as manager, pytest.raises(ConfigError, match="must be positive"):
+        PoolShareServer(manager, path, **limits)  # type: ignore[arg-type]
+    assert os.listdir(tmp_path) == []  # refused before anything was created

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hostpool import events
+from hostpool.errors import ConfigError
 from hostpool.share import protocol
 
 FD_SHORTAGE = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -70,7 +71,11 @@ class Limits:
         if max_per_uid is None:
             max_per_uid = max(1, max_connections // 4)
         if max_connections < 1 or max_per_uid < 1 or request_timeout <= 0 or send_timeout <= 0:
-            raise ValueError("connection limits and timeouts must be positive")
+            raise ConfigError(
+                "share server limits must be positive: max_connections="
+                f"{max_connections}, max_connections_per_uid={max_per_uid}, "
+                f"request_timeout={request_timeout}, send_timeout={send_timeout}"
+            )
         return cls(
             max_connections, min(max_per_uid, max_connections), request_timeout, send_timeout
         )
