@@ -70,7 +70,10 @@ def install() -> None:
         _installed = True
         _finder = _PostImportFinder()
         sys.meta_path.insert(0, _finder)
-        for name in sorted(n for n in list(sys.modules) if _is_sglang(n)):
+        # The modules that define the originals first, then everything that imported them.
+        first = [n for n in (MMAP, COMMON, BASE) if n in sys.modules]
+        rest = sorted(n for n in list(sys.modules) if _is_sglang(n) and n not in first)
+        for name in first + rest:
             module = sys.modules.get(name)
             if isinstance(module, types.ModuleType):
                 _after_import(module)

@@ -18,6 +18,17 @@ import types
 from typing import Any
 
 SGLANG_VERSION = "0.5.23"
+# The modules that import sglang's allocator entry points by name.
+HOST_POOL_MODULES = (
+    "sglang.srt.mem_cache.pool_host.base",
+    "sglang.srt.mem_cache.pool_host.mha",
+    "sglang.srt.mem_cache.pool_host.mla",
+    "sglang.srt.mem_cache.pool_host.mamba",
+    "sglang.srt.mem_cache.pool_host.unified",
+    "sglang.srt.mem_cache.pool_host.dsa",
+    "sglang.srt.mem_cache.pool_host.minimax_m3_nvfp4",
+    "sglang.srt.mem_cache.memory_pool_host",
+)
 
 
 class InterpolationMode(enum.Enum):
@@ -61,4 +72,6 @@ def load_sglang() -> Any:
 
     if sglang.__version__ != SGLANG_VERSION:
         raise RuntimeError(f"tests expect sglang {SGLANG_VERSION}, found {sglang.__version__}")
+    for name in HOST_POOL_MODULES:
+        importlib.import_module(name)
     return importlib.import_module("sglang.srt.mem_cache.memory_pool_host")

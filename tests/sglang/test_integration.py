@@ -1,0 +1,364 @@
+"""hostpool.integrations.sglang against the real, pinned sglang 0.5.23 (issue 15)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import mmap
+import multiprocessing
+import os
+import subprocess
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import torch
+
+from hostpool.integrations import sglang as integration
+from hostpool.lifecycle import get_ledger
+from hostpool.metrics import measure
+from tests import helpers
+from tests.sglang import pools
+from tests.sglang.cpu_import import load_sglang
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = "sglang.srt.mem_cache.pool_host.common"
+
+
+def _identities() -> dict[tuple[str, str], int]:
+    """id() of every attribute of every loaded sglang module."""
+    out = {}
+    for name, module in list(sys.modules.items()):
+        if integration._is_sglang(name) and isinstance(module, types.ModuleType):
+            for attr, value in list(vars(module).items()):
+                out[(name, attr)] = id(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sglang() -> Iterator[dict[tuple[str, str], int]]:
+    """sglang loaded unpatched (its originals recorded), then the integration installed."""
+    was = integration.installed()
+    integration.uninstall()
+    load_sglang()
+    before = _identities()
+    integration.install()
+    yield before
+    if not was:
+        integration.uninstall()
+
+
+def _pool_bytes(pool: str) -> int:
+    samples = measure(get_ledger())["hostpool_allocated_bytes"]
+    return int(sum(v for labels, v in samples.items() if labels[0] == pool))
+
+
+def _releases(pool: str) -> dict[str, int]:
+    get_ledger().drain()
+    return {how: n for (p, how), n in get_ledger().releases_total.items() if p == pool}
+
+
+def _records(pool: str) -> list[Any]:
+    return [r for r in get_ledger().snapshot() if r.pool == pool]
+
+
+# -- activation and patching -------------------------------------------------------------
+def test_install_patches_every_module_that_imported_the_originals(sglang: Any) -> None:
+    common = sys.modules[COMMON]
+    factory = common.get_allocator_from_storage
+    assert factory.__module__ == integration.__name__
+    original = factory.__wrapped__
+    # Every sglang module that imported the factory by name now holds the replacement.
+    holders = [
+        name
+        for name, module in list(sys.modules.items())
+        if integration._is_sglang(name)
+        and isinstance(module, types.ModuleType)
+        and "get_allocator_from_storage" in vars(module)
+    ]
+    assert {
+        "sglang.srt.mem_cache.pool_host.base",
+        "sglang.srt.mem_cache.pool_host.mha",
+        "sglang.srt.mem_cache.pool_host.mamba",
+        "sglang.srt.mem_cache.memory_pool_host",
+    } <= set(holders)
+    for name in holders:
+        assert sys.modules[name].get_allocator_from_storage is factory, name
+    leftovers = [
+        (name, attr)
+        for name, module in list(sys.modules.items())
+        if integration._is_sglang(name) and isinstance(module, types.ModuleType)
+        for attr, value in list(vars(module).items())
+        if value is original
+    ]
+    assert leftovers == []
+
+
+def test_a_module_imported_later_gets_the_replacements(sglang: Any, tmp_path: Path) -> None:
+    import sglang as package
+
+    (tmp_path / "hostpool_probe_late.py").write_text(
+        "from sglang.srt.mem_cache.pool_host.common import get_allocator_from_storage\n"
+        "from sglang.srt.mem_cache.storage.mmap.mmap_allocator import alloc_shm\n"
+    )
+    package.__path__.append(str(tmp_path))
+    try:
+        import sglang.hostpool_probe_late as probe  # type: ignore[import-not-found]
+
+        assert probe.get_allocator_from_storage.__module__ == integration.__name__
+        assert probe.alloc_shm.__module__ == integration.__name__
+    finally:
+        package.__path__.remove(str(tmp_path))
+        sys.modules.pop("sglang.hostpool_probe_late", None)
+
+
+def test_install_twice_is_a_no_op_and_uninstall_restores_sglang_exactly(sglang: Any) -> None:
+    before = sglang
+    integration.install()
+    patched = _identities()
+    integration.install()
+    assert _identities() == patched
+    integration.uninstall()
+    try:
+        after = _identities()
+        changed = {k for k in before if k in after and after[k] != before[k]}
+        assert changed == set()
+        common = sys.modules[COMMON]
+        assert common.get_allocator_from_storage.__module__ == COMMON
+    finally:
+        integration.install()
+    assert _identities() == patched
+
+
+# -- real host pools -----------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+def test_mha_pool_on_memfds_under_its_label(sglang: Any, layout: str, no_leaked_fds: None) -> None:
+    label = f"mha_{layout}"
+    before = _pool_bytes(label)
+    pool = pools.mha(layout, "shm", label)
+    bufs = pools.buffers(pool)
+    asked = sum(b.numel() * b.element_size() for b in bufs)
+    records = _records(label)
+    assert [r.backend for r in records] == ["memfd"] * len(bufs)
+    assert all(r.name.startswith(f"hostpool.{label}.") for r in records)
+    assert sum(r.requested_bytes for r in records) == asked
+    assert _pool_bytes(label) - before == asked  # sizes here are whole pages
+    # sglang's fd is the first of its fds and names the buffer's memfd.
+    assert pool.fd == pool.allocator.fds[0] == records[0].fd
+    assert os.readlink(f"/proc/self/fd/{pool.fd}") == f"/memfd:{records[0].name} (deleted)"
+
+    # A page written through sglang's own API is in the memfd.
+    page = torch.arange(pool.get_dummy_flat_data_page().numel(), dtype=torch.float32) + 1
+    pool.set_from_flat_data_page(1, page)
+    assert torch.equal(pool.get_data_page(1).flatten(), page)
+    with mmap.mmap(pool.fd, records[0].mapped_bytes, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+        seen = torch.frombuffer(bytearray(mm), dtype=torch.float32)
+    assert torch.equal(seen[: bufs[0].numel()], bufs[0].flatten())
+    assert int(seen.count_nonzero()) == page.numel()
+
+    addresses = [(r.address, r.mapped_bytes) for r in records]
+    pool.destroy()
+    del pool, bufs, records
+    gc.collect()
+    assert _records(label) == []
+    assert _pool_bytes(label) == before
+    assert _releases(label) == {"explicit": 1}
+    for address, length in addresses:
+        assert not helpers.range_mapped(address, length)
+
+
+def test_default_allocator_is_tracked_too(sglang: Any, no_leaked_fds: None) -> None:
+    pool = pools.mha("layer_first", "default", "mha_default")
+    asked = sum(b.numel() * b.element_size() for b in pools.buffers(pool))
+    records = _records("mha_default")
+    assert [r.backend for r in records] == ["anon"]
+    assert records[0].requested_bytes == asked
+    pool.destroy()
+    del pool
+    gc.collect()
+    assert _records("mha_default") == []
+    assert _releases("mha_default") == {"explicit": 1}
+
+
+def test_dropping_a_pool_without_destroy_is_a_finalizer_release_through_the_ledger(
+    sglang: Any, no_leaked_fds: None
+) -> None:
+    """Issue 16 point 5: sglang's `__del__` closed region fds behind the ledger's back,
+    leaving regions live with fd=None and no release counted."""
+    pool = pools.mha("layer_first", "shm", "mha_dropped")
+    allocator = pool.allocator
+    assert len(allocator.fds) == 1
+    del pool, allocator
+    gc.collect()
+    assert _records("mha_dropped") == []
+    assert _releases("mha_dropped") == {"finalizer": 1}
+
+
+def test_alloc_shm_replacement_hands_the_caller_its_own_fd(
+    sglang: Any, no_leaked_fds: None
+) -> None:
+    from sglang.srt.mem_cache.storage.mmap import alloc_shm
+
+    tensor, fd, mm = alloc_shm((1024,), torch.float32)
+    try:
+        assert [r.fd for r in _records("default") if r.fd == fd] == []  # a dup, not ours
+        os.pwrite(fd, b"\x01\x00\x00\x00", 0)
+        assert tensor[0].view(torch.int32).item() == 1
+    finally:
+        os.close(fd)
+        mm.close()
+        del tensor
+
+
+# -- get_allocator_type: sglang's answers -------------------------------------------------
+EXTRA_CONFIGS = [
+    None,
+    "",
+    '{"allocator": "shm"}',
+    '{"allocator": "default"}',
+    '{"allocator": 3}',
+    "[1, 2]",
+    "not json",
+    '"shm"',
+    "null",
+    "{",
+]
+BACKENDS = [None, "", "shm", "dynamic", "mooncake", "file", "nixl"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("extra", EXTRA_CONFIGS)
+def test_get_allocator_type_answers_like_sglang(sglang: Any, backend: Any, extra: Any) -> None:
+    from sglang.srt import runtime_context
+
+    common = sys.modules[COMMON]
+    ours = common.get_allocator_type
+    original = ours.__wrapped__
+    memory = types.SimpleNamespace(
+        hicache_storage_backend=backend, hicache_storage_backend_extra_config=extra
+    )
+    saved = runtime_context.get_memory
+    common.get_memory = lambda: memory
+    try:
+        expected = original()
+        with structlog.testing.capture_logs() as logs:
+            assert ours() == expected
+        assert ours(memory) == expected
+        assert ours(vars(memory)) == expected
+    finally:
+        common.get_memory = saved
+    bad = [e for e in logs if e["event"] == "hostpool.sglang.bad_extra_config"]
+    malformed = extra in ("not json", "[1, 2]", '"shm"', "null", "{")
+    assert len(bad) == (1 if backend == "dynamic" and malformed else 0)
+
+
+# -- foreign allocators --------------------------------------------------------------------
+def test_a_foreign_allocator_stays_sglangs_and_is_recorded(
+    sglang: Any, monkeypatch: pytest.MonkeyPatch, no_leaked_fds: None
+) -> None:
+    """mooncake is not installable here: a module of its name with an allocator class
+    stands in, found by sglang's own import in `get_allocator_from_storage`."""
+    base = sglang_base_allocator()
+    made: list[torch.Tensor] = []
+
+    class MooncakeHostTensorAllocator(base):  # type: ignore[misc,valid-type]
+        def allocate(self, dims: Any, dtype: torch.dtype, device: str) -> torch.Tensor:
+            tensor = torch.zeros(dims, dtype=dtype)
+            made.append(tensor)
+            return tensor
+
+    name = "sglang.srt.mem_cache.storage.mooncake_store.mooncake_store"
+    stand_in = types.ModuleType(name)
+    stand_in.MooncakeHostTensorAllocator = MooncakeHostTensorAllocator  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, name, stand_in)
+    pool = pools.mha("layer_first", "mooncake", "mha_mooncake")
+    assert type(pool.allocator) is MooncakeHostTensorAllocator
+    records = _records("mha_mooncake")
+    assert [(r.backend, r.allocator, r.fd) for r in records] == [("foreign", "mooncake", None)]
+    assert records[0].address == made[0].data_ptr()
+    assert _pool_bytes("mha_mooncake") == made[0].numel() * made[0].element_size()
+    pool.destroy()
+    made.clear()
+    del pool
+    gc.collect()
+    assert _records("mha_mooncake") == []
+    assert _releases("mha_mooncake") == {"explicit": 1}
+
+
+def sglang_base_allocator() -> type:
+    return sys.modules[COMMON].HostTensorAllocator.__mro__[1]  # type: ignore[no-any-return]
+
+
+# -- a spawned child, activated by the environment alone ----------------------------------
+def _spawn(env: dict[str, str], label: str) -> tuple[Any, Any, dict[str, Any]]:
+    from tests.sglang.child import build_pool_and_wait
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        process = ctx.Process(target=build_pool_and_wait, args=(child, label))
+        process.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    if not parent.poll(120):
+        process.kill()
+        raise AssertionError("the spawned child did not report in 120 s")
+    return process, parent, parent.recv()
+
+
+@pytest.mark.slow
+def test_spawned_child_with_the_variable_is_tracked_in_inspect_and_metrics(
+    sglang: Any, tmp_path: Path
+) -> None:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    env = {"HOSTPOOL_INSTRUMENT": "sglang", "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    process, conn, info = _spawn(env, "spawned_kv")
+    try:
+        assert info["patched"] is True
+        out = subprocess.run(
+            [sys.executable, "-m", "hostpool", "inspect", str(info["pid"]), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout)
+        by_pool = {p["pool"]: p for p in report["pools"]}
+        assert "spawned_kv" in by_pool, report["pools"]
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(tmp_path))
+        value = registry.get_sample_value(
+            "hostpool_allocated_bytes",
+            {"pool": "spawned_kv", "allocator": "shm", "page_size": "4KiB"},
+        )
+        assert value == info["bytes"], [
+            s for m in registry.collect() for s in m.samples if "allocated" in s.name
+        ]
+    finally:
+        conn.send("go")
+        conn.poll(60)
+        process.join(60)
+        if process.is_alive():
+            process.kill()
+    assert process.exitcode == 0
+
+
+@pytest.mark.slow
+def test_spawned_child_without_the_variable_leaves_sglang_untouched(sglang: Any) -> None:
+    env = {"HOSTPOOL_INSTRUMENT": ""}
+    process, conn, info = _spawn(env, "untouched_kv")
+    conn.send("go")
+    conn.poll(60)
+    process.join(60)
+    assert info["patched"] is False
+    assert process.exitcode == 0
