@@ -5,8 +5,10 @@ OS layer: reads /proc/self/status, /proc/PID/status, /proc/self/mountinfo and
 proc_fd_permission; hidepid):
 
 - /proc/PID/maps and the targets of /proc/PID/fd/N need ptrace read access: allowed when
-  the process's real, effective and saved uid (and gid) all equal yours and it is
-  dumpable, otherwise only with CAP_SYS_PTRACE (in its user namespace). Yama's
+  the process's real, effective and saved uid (and gid) all equal yours, it is dumpable
+  and its permitted capabilities are a subset of your effective ones (the commoncap
+  rule: a root process that dropped CAP_SYS_PTRACE cannot read a full-capability root
+  process), otherwise only with CAP_SYS_PTRACE (in its user namespace). Yama's
   ptrace_scope governs attaching only, never this read access: it is not a reason.
 - listing /proc/PID/fd is a plain permission check on a 0500 directory owned by the
   process's uid (root, when the process is not dumpable): another uid needs
@@ -63,6 +65,68 @@ def own_capabilities() -> int:
         return 0
 
 
+def _capabilities(pid: int) -> int:
+    """The process's permitted capability set (0 if unreadable)."""
+    try:
+        return int(_status(pid)["CapPrm"], 16)
+    except (KeyError, ValueError):
+        return 0
+
+
+# capability(7) numbering, for messages
+_CAP_NAMES: Final = (
+    "chown",
+    "dac_override",
+    "dac_read_search",
+    "fowner",
+    "fsetid",
+    "kill",
+    "setgid",
+    "setuid",
+    "setpcap",
+    "linux_immutable",
+    "net_bind_service",
+    "net_broadcast",
+    "net_admin",
+    "net_raw",
+    "ipc_lock",
+    "ipc_owner",
+    "sys_module",
+    "sys_rawio",
+    "sys_chroot",
+    "sys_ptrace",
+    "sys_pacct",
+    "sys_admin",
+    "sys_boot",
+    "sys_nice",
+    "sys_resource",
+    "sys_time",
+    "sys_tty_config",
+    "mknod",
+    "lease",
+    "audit_write",
+    "audit_control",
+    "setfcap",
+    "mac_override",
+    "mac_admin",
+    "syslog",
+    "wake_alarm",
+    "block_suspend",
+    "audit_read",
+    "perfmon",
+    "bpf",
+    "checkpoint_restore",
+)
+
+
+def capability_names(mask: int) -> list[str]:
+    return [
+        f"CAP_{_CAP_NAMES[bit].upper()}" if bit < len(_CAP_NAMES) else f"capability {bit}"
+        for bit in range(mask.bit_length())
+        if mask >> bit & 1
+    ]
+
+
 def has_capability(cap: int, caps: int | None = None) -> bool:
     return bool((own_capabilities() if caps is None else caps) >> cap & 1)
 
@@ -89,9 +153,22 @@ def proc_hidepid() -> tuple[str, str | None]:
     return "off", None
 
 
+# the initial namespace's fixed inode (PROC_PID_INIT_INO): any other is a nested one
+_INIT_PID_NAMESPACE: Final = "pid:[4026531836]"
+
+
+def in_pid_namespace() -> bool:
+    """Whether this process lives in a nested PID namespace (one that the host's
+    processes are invisible from)."""
+    try:
+        return os.readlink("/proc/self/ns/pid") != _INIT_PID_NAMESPACE
+    except OSError:
+        return False
+
+
 def pid_namespace_pids() -> tuple[int, ...]:
-    """This process's pid in each PID namespace, outermost first (NSpid): more than one
-    means this process lives in a nested PID namespace."""
+    """This process's pid in each PID namespace that the /proc mount can see, outermost
+    first (NSpid; a namespace's own /proc shows only its own pid)."""
     return tuple(int(v) for v in _status("self").get("NSpid", "").split() if v.isdigit())
 
 
@@ -116,12 +193,13 @@ def why_not_found(pid: int) -> str:
             f"hidden{exempt}; run as the process's uid, or with CAP_SYS_PTRACE"
         )
     nspids = pid_namespace_pids()
-    if len(nspids) > 1:
+    if in_pid_namespace() or len(nspids) > 1:
+        outer = f", {nspids[0]} outside" if len(nspids) > 1 else ""
         hints.append(
-            f"this command runs in a PID namespace (its pid is {nspids[-1]} here, "
-            f"{nspids[0]} in the outermost one): /proc shows only that namespace's "
-            "processes by their pids in it; run it where the process is visible (the host, "
-            "or `nsenter --target HOSTPID --pid --mount`)"
+            f"this command runs in a PID namespace (its pid is {os.getpid()} here{outer}): "
+            "/proc shows only that namespace's processes, by their pids in it; run it "
+            "where the process is visible (on the host, or `nsenter --target HOSTPID "
+            "--pid --mount`)"
         )
     return "; ".join(hints)
 
@@ -163,7 +241,13 @@ def why_denied(pid: int) -> str:
             )
     elif not ptrace:
         owner = _proc_owner(pid)
-        if owner is not None and owner != theirs.uids[1]:
+        extra = _capabilities(pid) & ~caps
+        if extra:
+            state = (
+                "it runs as you but holds capabilities this process lacks "
+                f"({', '.join(capability_names(extra))})"
+            )
+        elif owner is not None and owner != theirs.uids[1]:
             state = f"it is not dumpable (its /proc entries belong to uid {owner})"
         else:
             state = (
