@@ -1,4 +1,4 @@
-"""Lazy package attributes (PEP 562): `import hostpool` or `hostpool.pools` pays for
+"""Lazy package attributes (PEP 562): `import hostpool` pays for
 torch only when a name that needs it is first used."""
 
 from __future__ import annotations

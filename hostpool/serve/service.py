@@ -26,7 +26,7 @@ class PoolService:
         self.host_budget: Any = None
         budget: Any = config.budget
         if config.host_budget is not None:
-            from hostpool.pools.hostbudget import HostBudget
+            from hostpool.integrations.hostbudget import HostBudget
 
             budget = self.host_budget = HostBudget(config.host_budget, config.budget_dir)
         self.manager = HostPoolManager(budget=budget, track_stacks=track_stacks)
