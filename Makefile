@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) bench/populate.py
 	$(PY) bench/populate.py --pages natural --output bench/results/populate-natural.json
 	-$(PY) bench/populate.py --pages cold --output bench/results/populate-cold.json
+	$(PY) bench/first_alloc.py
 	$(PY) bench/overhead.py
 	$(PY) bench/scrape.py
 	$(PY) bench/share.py

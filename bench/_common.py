@@ -105,6 +105,7 @@ def machine_facts() -> dict[str, Any]:
         "python": platform.python_version(),
         "python_executable": sys.executable,
         "torch": package_version("torch"),
+        "sglang": package_version("sglang"),
         "hostpool": package_version("hostpool"),
         "thp_enabled": read_text("/sys/kernel/mm/transparent_hugepage/enabled"),
         "thp_shmem_enabled": read_text("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),

@@ -1,26 +1,41 @@
-"""Allocate-and-populate throughput: hostpool's shm allocator against what servers do today.
+"""Allocate-and-populate throughput: hostpool against the allocators servers run today.
 
 For each size (default 1 GiB and 4 GiB) and each of `--runs` rounds, every variant runs in
 a fresh process (`python bench/populate.py --one VARIANT --bytes N`, which prints one JSON
 line), in an order rotated each round so drift and neighbours' load hit all variants
-alike. Only allocate + populate (+ the tensor over it) is timed, not interpreter or torch
-import; afterwards the child checks that every byte is resident (`fstat().st_blocks` for
-fd-backed regions, `mincore` for all), so nothing lazy passes for fast.
+alike. In the child, set-up (imports, allocator construction) and one small warm-up call
+of the variant (2 MiB: lazy imports, probes, thread pools) are not timed; then only
+allocate + populate (+ the tensor over it) is. Afterwards the child checks that every
+byte is resident (`fstat().st_blocks` for fd-backed regions, `mincore` for all), so
+nothing lazy passes for fast.
+
+The sglang variants call the installed sglang package's own allocators
+(`sglang.srt.mem_cache.storage.mmap.mmap_allocator`), configured through its environment
+variables as a server would be; the version is recorded with the results.
 
 Variants:
   hostpool_shm               ShmHostTensorAllocator(populate="auto"): memfd, sealed,
                              MADV_POPULATE_WRITE split over threads (libc, GIL released)
   hostpool_shm_2mb           the same with hugepages="required", hugepage_size="2MB"
-  sglang_memfd_map_populate  sglang today: memfd_create(MFD_CLOEXEC), ftruncate,
-                             mmap(MAP_SHARED|MAP_POPULATE), mm.madvise(MADV_POPULATE_WRITE),
-                             torch.frombuffer
-  vllm_devshm_madvise        a /dev/shm file (O_CREAT|O_EXCL, unlinked), ftruncate, mmap
-                             shared, mm.madvise(MADV_POPULATE_WRITE)
-  anon_mmap_madvise          anonymous shared mmap + mm.madvise(MADV_POPULATE_WRITE)
+  hostpool_mmap              MmapHostTensorAllocator(populate="auto"): private anonymous,
+                             same populate
+  sglang_alloc_shm           sglang's alloc_shm: memfd + mmap + one MADV_POPULATE_WRITE
+  sglang_alloc_mmap          sglang's alloc_mmap, default: anonymous shared + madvise
+  sglang_alloc_mmap_2mb      sglang's alloc_mmap with SGLANG_HUGEPAGE_SIZE=2MB: anonymous
+                             MAP_HUGETLB|MAP_POPULATE (checked: no silent fallback)
+  sglang_alloc_mmap_parallel sglang's alloc_mmap with SGLANG_HICACHE_HOST_PARALLEL_ALLOC_
+                             THREADS = hostpool's populate threads: private anonymous,
+                             MADV_HUGEPAGE, memset over threads
+  seed_pr_memfd              the seed PR's allocator, restated (memfd + MAP_POPULATE + a
+                             second MADV_POPULATE_WRITE walk); sglang no longer does this
+  vllm_devshm_madvise        vLLM-style, restated: a /dev/shm file (O_CREAT|O_EXCL,
+                             unlinked), ftruncate, mmap shared, mm.madvise(POPULATE_WRITE)
   torch_empty_zero           torch.empty(n, dtype=torch.uint8).zero_()  (the baseline)
   bare_hugetlb_madvise       a 2 MiB hugetlb memfd and one MADV_POPULATE_WRITE call, nothing
                              else: the kernel's own cost (it zeroes every hugepage it hands
                              out), so the most any 2 MiB allocator can reach
+  bare_anon_populate         private anonymous mmap and MADV_POPULATE_WRITE over the same
+                             threads, nothing else: the most a 4 KiB-page allocator reaches
 
 Page states (`--pages`), since on a VM the history of a page decides its fault cost:
   warm     every child faults in and frees n bytes just before timing (host-backed pages)
@@ -48,6 +63,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -56,6 +72,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import (
+    PAGE,
     RESULTS_DIR,
     GiB,
     MiB,
@@ -70,18 +87,23 @@ from bench._common import (
     write_json,
 )
 from bench._pages import (
+    HUGEPAGE_2MB,
     MADV_POPULATE_WRITE,
     PAGE_REPORTING,
     REPORTING_QUIET_BYTES,
     REPORTING_QUIET_PASSES,
     FreePageReporting,
     HugepageReservation,
+    hugepages_free_2mb,
     prewarm,
 )
 
 RESULTS = RESULTS_DIR / "populate.json"
 CHILD_TIMEOUT_S = 600.0
 BASELINE = "torch_empty_zero"
+WARMUP_BYTES = 2 * MiB  # the untimed first call of every variant
+THREADS = min(8, os.cpu_count() or 1)  # hostpool's default populate threads; sglang's too
+SGLANG_MODULE = "sglang.srt.mem_cache.storage.mmap.mmap_allocator"
 
 VARIANTS: dict[str, str] = {
     "hostpool_shm": 'hostpool ShmHostTensorAllocator(populate="auto", hugepages="off")',
@@ -89,24 +111,41 @@ VARIANTS: dict[str, str] = {
         'hostpool ShmHostTensorAllocator(populate="auto", hugepages="required", '
         'hugepage_size="2MB")'
     ),
-    "sglang_memfd_map_populate": (
-        "memfd_create(MFD_CLOEXEC) + ftruncate + mmap(MAP_SHARED|MAP_POPULATE) "
-        "+ mm.madvise(MADV_POPULATE_WRITE) + torch.frombuffer (sglang today)"
-    ),
-    "vllm_devshm_madvise": (
-        "/dev/shm file (O_CREAT|O_EXCL, unlinked) + ftruncate + mmap(MAP_SHARED) "
-        "+ mm.madvise(MADV_POPULATE_WRITE) + torch.frombuffer"
-    ),
-    "anon_mmap_madvise": (
-        "mmap(-1, MAP_SHARED|MAP_ANONYMOUS) + mm.madvise(MADV_POPULATE_WRITE) + torch.frombuffer"
-    ),
+    "hostpool_mmap": 'hostpool MmapHostTensorAllocator(populate="auto")',
+    "sglang_alloc_shm": "sglang alloc_shm: memfd_create + mmap(MAP_SHARED) + one "
+    "MADV_POPULATE_WRITE + torch.frombuffer",
+    "sglang_alloc_mmap": "sglang alloc_mmap (default): anonymous MAP_SHARED + one "
+    "MADV_POPULATE_WRITE + torch.frombuffer",
+    "sglang_alloc_mmap_2mb": "sglang alloc_mmap, SGLANG_HUGEPAGE_SIZE=2MB: anonymous "
+    "MAP_SHARED|MAP_HUGETLB|MAP_HUGE_2MB|MAP_POPULATE",
+    "sglang_alloc_mmap_parallel": "sglang alloc_mmap, "
+    f"SGLANG_HICACHE_HOST_PARALLEL_ALLOC_THREADS={THREADS}: private anonymous, "
+    "MADV_DONTFORK + MADV_HUGEPAGE, memset over threads",
+    "seed_pr_memfd": "the seed PR's allocator, restated: memfd_create(MFD_CLOEXEC) + "
+    "ftruncate + mmap(MAP_SHARED|MAP_POPULATE) + mm.madvise(MADV_POPULATE_WRITE)",
+    "vllm_devshm_madvise": "vLLM-style, restated: /dev/shm file (O_CREAT|O_EXCL, unlinked) "
+    "+ ftruncate + mmap(MAP_SHARED) + mm.madvise(MADV_POPULATE_WRITE) + torch.frombuffer",
     "torch_empty_zero": "torch.empty(n, dtype=torch.uint8).zero_()",
     "bare_hugetlb_madvise": (
         "memfd_create(MFD_HUGETLB|MFD_HUGE_2MB) + ftruncate + mmap(MAP_SHARED) + one libc "
         "madvise(MADV_POPULATE_WRITE) + torch.frombuffer: the kernel's floor for 2 MiB pages"
     ),
+    "bare_shm_populate": (
+        "memfd_create + ftruncate + mmap(MAP_SHARED) + libc madvise(MADV_POPULATE_WRITE) "
+        f"split over {THREADS} threads + torch.frombuffer: the kernel's floor for shared "
+        "4 KiB pages"
+    ),
+    "bare_anon_populate": (
+        "mmap(MAP_PRIVATE|MAP_ANONYMOUS) + libc madvise(MADV_POPULATE_WRITE) split over "
+        f"{THREADS} threads + torch.frombuffer: the kernel's floor for 4 KiB pages"
+    ),
 }
-HUGEPAGE_VARIANTS = frozenset({"hostpool_shm_2mb", "bare_hugetlb_madvise"})
+HUGEPAGE_VARIANTS = frozenset({"hostpool_shm_2mb", "bare_hugetlb_madvise", "sglang_alloc_mmap_2mb"})
+SGLANG_VARIANTS = frozenset(v for v in VARIANTS if v.startswith("sglang_"))
+SGLANG_ENV = {
+    "sglang_alloc_mmap_2mb": {"SGLANG_HUGEPAGE_SIZE": "2MB"},
+    "sglang_alloc_mmap_parallel": {"SGLANG_HICACHE_HOST_PARALLEL_ALLOC_THREADS": str(THREADS)},
+}
 PAGES_HELP = {
     "warm": "each child faults in and frees n bytes of anonymous memory (untimed) just "
     "before timing, so every variant gets host-backed pages from the free lists",
@@ -122,7 +161,11 @@ PAGES_HELP = {
 
 @dataclass(frozen=True)
 class Target:
-    """`variant` must be at least `min_ratio` times as fast as `versus` (same run's medians)."""
+    """`variant` must be at least `min_ratio` times as fast as `versus` (same run's medians).
+
+    `ceiling`, where set, is the variant that does only the kernel's share of the work:
+    its ratio to `versus` in the same run is the most any allocator of that kind could
+    reach, and `why` says what bounds it."""
 
     id: str
     kind: str  # "required" or "aim"
@@ -131,17 +174,76 @@ class Target:
     min_ratio: float
     size_bytes: int | None  # None: at every measured size
     text: str
+    ceiling: str | None = None
+    why: str = ""
 
 
+HUGEPAGE_WHY = (
+    "the kernel zeroes every hugepage it hands out, one pass of memory writes that does "
+    "not scale with threads here, and both allocators pay exactly that"
+)
+SHM_WHY = (
+    "sglang faults the pages in on one thread; the only thing left to gain is spreading "
+    "the same faults over threads, at most one per CPU, and shared-memory faults contend "
+    "on the file's page cache"
+)
+ANON_WHY = (
+    "faulting a 4 KiB page in (kernel zeroing included) is the work; on this VM its "
+    "cost is set by whether the host still backs the page, the same for every allocator"
+)
 TARGETS = (
     Target(
-        "shm_vs_sglang_4gib",
+        "shm_vs_sglang_shm",
         "required",
         "hostpool_shm",
-        "sglang_memfd_map_populate",
+        "sglang_alloc_shm",
         1.5,
-        4 * GiB,
-        "hostpool shm >= 1.5x sglang-style memfd + MAP_POPULATE + madvise at 4 GiB",
+        None,
+        "hostpool shm >= 1.5x sglang alloc_shm",
+        ceiling="bare_shm_populate",
+        why=SHM_WHY,
+    ),
+    Target(
+        "hugepages_vs_sglang_hugetlb",
+        "required",
+        "hostpool_shm_2mb",
+        "sglang_alloc_mmap_2mb",
+        1.0,
+        None,
+        "hostpool shm with 2 MiB hugepages >= 1.0x sglang alloc_mmap (2 MiB hugetlb)",
+        ceiling="bare_hugetlb_madvise",
+        why=HUGEPAGE_WHY,
+    ),
+    Target(
+        "hugepages_vs_bare_kernel",
+        "required",
+        "hostpool_shm_2mb",
+        "bare_hugetlb_madvise",
+        0.9,
+        None,
+        "hostpool shm with 2 MiB hugepages >= 0.9x the bare kernel call",
+    ),
+    Target(
+        "mmap_vs_torch",
+        "required",
+        "hostpool_mmap",
+        BASELINE,
+        1.0,
+        None,
+        "hostpool mmap >= 1.0x torch.empty().zero_()",
+        ceiling="bare_anon_populate",
+        why=ANON_WHY,
+    ),
+    Target(
+        "mmap_vs_sglang_parallel",
+        "required",
+        "hostpool_mmap",
+        "sglang_alloc_mmap_parallel",
+        1.5,
+        None,
+        "hostpool mmap >= 1.5x sglang alloc_mmap (parallel private THP)",
+        ceiling="bare_anon_populate",
+        why=ANON_WHY,
     ),
     Target(
         "shm_vs_torch",
@@ -160,15 +262,8 @@ TARGETS = (
         4.0,
         None,
         "hostpool shm with 2 MiB hugepages >= 4x torch.empty().zero_()",
-    ),
-    Target(
-        "hugepages_vs_bare_kernel",
-        "aim",
-        "hostpool_shm_2mb",
-        "bare_hugetlb_madvise",
-        0.9,
-        None,
-        "hostpool shm with 2 MiB hugepages >= 0.9x the bare kernel call (aim)",
+        ceiling="bare_hugetlb_madvise",
+        why=HUGEPAGE_WHY,
     ),
 )
 
@@ -205,8 +300,23 @@ def _close_mapping(holder: dict[str, Any], fd: int | None) -> Callable[[], None]
     return teardown
 
 
-def make_sglang(n: int) -> Made:
-    fd = os.memfd_create(f"bench_sglang_{os.getpid()}", os.MFD_CLOEXEC)
+def _mapping_address(mm: mmap.mmap) -> int:
+    view = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(view)
+    del view  # an export would keep mm.close() from unmapping
+    return address
+
+
+def _anon_huge_bytes() -> int:
+    """AnonHugePages of this process (THP it holds), from /proc/self/smaps_rollup."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def make_seed_pr(n: int) -> Made:
+    fd = os.memfd_create(f"bench_seed_{os.getpid()}", os.MFD_CLOEXEC)
     os.ftruncate(fd, n)
     mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     mm.madvise(MADV_POPULATE_WRITE)
@@ -227,29 +337,46 @@ def make_vllm(n: int) -> Made:
     return Made(tensor, tensor.data_ptr(), fd, _close_mapping(holder, fd))
 
 
-def make_anon(n: int) -> Made:
-    mm = mmap.mmap(-1, n, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
-    mm.madvise(MADV_POPULATE_WRITE)
-    tensor = _frombuffer(mm, n)
-    holder = {"mm": mm}
-    return Made(tensor, tensor.data_ptr(), None, _close_mapping(holder, None))
-
-
 def make_bare_hugetlb(n: int) -> Made:
     fd = os.memfd_create(
         f"bench_hugetlb_{os.getpid()}", os.MFD_CLOEXEC | os.MFD_HUGETLB | os.MFD_HUGE_2MB
     )
     os.ftruncate(fd, n)
     mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED)
-    view = ctypes.c_char.from_buffer(mm)
-    address = ctypes.addressof(view)
-    del view  # an export would keep mm.close() from unmapping
     try:
-        madvise(address, n, MADV_POPULATE_WRITE)  # one call, one thread
+        madvise(_mapping_address(mm), n, MADV_POPULATE_WRITE)  # one call, one thread
     except OSError:
         mm.close()
         os.close(fd)
         raise
+    tensor = _frombuffer(mm, n)
+    holder = {"mm": mm}
+    return Made(tensor, tensor.data_ptr(), fd, _close_mapping(holder, fd))
+
+
+def _populate_threads(mm: mmap.mmap, n: int) -> None:
+    """MADV_POPULATE_WRITE over n bytes, one span per thread (libc: GIL released)."""
+    address = _mapping_address(mm)
+    chunk = -(-n // THREADS)
+    chunk = -(-chunk // PAGE) * PAGE
+    spans = [(off, min(chunk, n - off)) for off in range(0, n, chunk)]
+    with ThreadPoolExecutor(len(spans)) as pool:
+        list(pool.map(lambda s: madvise(address + s[0], s[1], MADV_POPULATE_WRITE), spans))
+
+
+def make_bare_anon(n: int) -> Made:
+    mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    _populate_threads(mm, n)
+    tensor = _frombuffer(mm, n)
+    holder = {"mm": mm}
+    return Made(tensor, tensor.data_ptr(), None, _close_mapping(holder, None))
+
+
+def make_bare_shm(n: int) -> Made:
+    fd = os.memfd_create(f"bench_shm_{os.getpid()}", os.MFD_CLOEXEC)
+    os.ftruncate(fd, n)
+    mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED)
+    _populate_threads(mm, n)
     tensor = _frombuffer(mm, n)
     holder = {"mm": mm}
     return Made(tensor, tensor.data_ptr(), fd, _close_mapping(holder, fd))
@@ -265,7 +392,7 @@ def make_torch(n: int) -> Made:
 def make_hostpool(n: int) -> Made:
     import torch
 
-    alloc = _PREPARED["allocator"]
+    alloc = _PREPARED["allocator"]()  # one per call: teardown closes it
     tensor = alloc.allocate((n,), torch.uint8)
     region = alloc.regions[-1]
     # Teardown runs after the tensor is dropped (that unmaps it); close() must not keep
@@ -278,20 +405,46 @@ def make_hostpool(n: int) -> Made:
         "populate_seconds": region.populate_seconds,
         "populate_threads": alloc.options.effective_populate_threads(),
         "hugepage_fallbacks": list(region.hugepage_fallbacks),
+        "thp_advised": region.thp_advised,
         "seals": region.seals,
     }
     return Made(tensor, tensor.data_ptr(), region.fd, alloc.close, details)
+
+
+def make_sglang_shm(n: int) -> Made:
+    import torch
+
+    tensor, fd, mm = _PREPARED["sglang"].alloc_shm((n,), torch.uint8)
+    holder = {"mm": mm}
+    return Made(tensor, tensor.data_ptr(), fd, _close_mapping(holder, fd))
+
+
+def make_sglang_mmap(n: int) -> Made:
+    """alloc_mmap as the environment configures it; the tensor owns the mapping."""
+    import torch
+
+    free_before = hugepages_free_2mb()
+    tensor = _PREPARED["sglang"].alloc_mmap((n,), torch.uint8)
+    details: dict[str, Any] = {"anon_huge_bytes": _anon_huge_bytes()}
+    if os.environ.get("SGLANG_HUGEPAGE_SIZE"):
+        taken = free_before - hugepages_free_2mb()
+        details["hugepages_taken"] = taken
+        if taken * HUGEPAGE_2MB < n:
+            # sglang logs and falls back to plain mmap: never time that as hugetlb
+            raise RuntimeError(f"sglang hugetlb alloc_mmap fell back ({taken} pages taken)")
+    return Made(tensor, tensor.data_ptr(), None, lambda: None, details)
 
 
 # Untimed set-up for a variant: imports, allocator construction.
 _PREPARED: dict[str, Any] = {}
 
 
-def _prepare_hostpool(**options: Any) -> Callable[[], None]:
+def _prepare_hostpool(cls: str, **options: Any) -> Callable[[], None]:
     def prepare() -> None:
-        from hostpool import ShmHostTensorAllocator
+        import hostpool
 
-        _PREPARED["allocator"] = ShmHostTensorAllocator(pool="bench", **options)
+        allocator_class = getattr(hostpool, cls)
+        _PREPARED["allocator"] = lambda: allocator_class(pool="bench", **options)
 
     return prepare
 
@@ -302,22 +455,57 @@ def _prepare_torch() -> None:
     torch.empty(1, dtype=torch.uint8).zero_()  # load the library, not allocate for it
 
 
+def _prepare_sglang(variant: str) -> Callable[[], None]:
+    def prepare() -> None:
+        import importlib
+
+        os.environ.update(SGLANG_ENV.get(variant, {}))  # read by sglang at each call
+        _PREPARED["sglang"] = importlib.import_module(SGLANG_MODULE)
+
+    return prepare
+
+
 HOSTPOOL_SHM = {"populate": "auto", "hugepages": "off"}
 HOSTPOOL_SHM_2MB = {"populate": "auto", "hugepages": "required", "hugepage_size": "2MB"}
 MAKERS: dict[str, tuple[Callable[[], None], Callable[[int], Made]]] = {
-    "hostpool_shm": (_prepare_hostpool(**HOSTPOOL_SHM), make_hostpool),
-    "hostpool_shm_2mb": (_prepare_hostpool(**HOSTPOOL_SHM_2MB), make_hostpool),
-    "sglang_memfd_map_populate": (_prepare_torch, make_sglang),
+    "hostpool_shm": (_prepare_hostpool("ShmHostTensorAllocator", **HOSTPOOL_SHM), make_hostpool),
+    "hostpool_shm_2mb": (
+        _prepare_hostpool("ShmHostTensorAllocator", **HOSTPOOL_SHM_2MB),
+        make_hostpool,
+    ),
+    "hostpool_mmap": (
+        _prepare_hostpool("MmapHostTensorAllocator", populate="auto"),
+        make_hostpool,
+    ),
+    "sglang_alloc_shm": (_prepare_sglang("sglang_alloc_shm"), make_sglang_shm),
+    "sglang_alloc_mmap": (_prepare_sglang("sglang_alloc_mmap"), make_sglang_mmap),
+    "sglang_alloc_mmap_2mb": (_prepare_sglang("sglang_alloc_mmap_2mb"), make_sglang_mmap),
+    "sglang_alloc_mmap_parallel": (
+        _prepare_sglang("sglang_alloc_mmap_parallel"),
+        make_sglang_mmap,
+    ),
+    "seed_pr_memfd": (_prepare_torch, make_seed_pr),
     "vllm_devshm_madvise": (_prepare_torch, make_vllm),
-    "anon_mmap_madvise": (_prepare_torch, make_anon),
     "torch_empty_zero": (_prepare_torch, make_torch),
     "bare_hugetlb_madvise": (_prepare_torch, make_bare_hugetlb),
+    "bare_shm_populate": (_prepare_torch, make_bare_shm),
+    "bare_anon_populate": (_prepare_torch, make_bare_anon),
 }
+
+
+def _drop(made: Made) -> float:
+    t0 = time.perf_counter()
+    del made.tensor
+    made.teardown()
+    return time.perf_counter() - t0
 
 
 def run_one(variant: str, n: int, pages: str) -> dict[str, Any]:
     prepare, make = MAKERS[variant]
     prepare()
+    t_warm = time.perf_counter()
+    _drop(make(WARMUP_BYTES))  # lazy imports, probes, thread pools: not what is compared
+    warmup_seconds = time.perf_counter() - t_warm
     prewarm_seconds = prewarm(n) if pages == "warm" else None
     t0 = time.perf_counter()
     made = make(n)
@@ -331,10 +519,7 @@ def run_one(variant: str, n: int, pages: str) -> dict[str, Any]:
     if resident < n:
         raise RuntimeError(f"{variant}: only {resident} of {n} bytes resident after populate")
 
-    t1 = time.perf_counter()
-    del made.tensor
-    made.teardown()
-    teardown_seconds = time.perf_counter() - t1
+    teardown_seconds = _drop(made)
     return {
         "variant": variant,
         "bytes": n,
@@ -342,6 +527,7 @@ def run_one(variant: str, n: int, pages: str) -> dict[str, Any]:
         "resident_bytes": resident,
         "residency_checks": checks,
         "teardown_seconds": teardown_seconds,
+        "warmup_seconds": warmup_seconds,
         "pages": pages,
         "prewarm_seconds": prewarm_seconds,
         "details": made.details,
@@ -380,14 +566,14 @@ def gib_per_s(n: int, seconds: float | None) -> float | None:
 
 
 def summarise(
-    sizes: list[int], samples: list[dict[str, Any]], skipped: dict[str, str]
+    sizes: list[int], variants: list[str], samples: list[dict[str, Any]], skipped: dict[str, str]
 ) -> list[dict[str, Any]]:
     out = []
     for n in sizes:
         by_variant: dict[str, dict[str, Any]] = {}
         base = {s["run"]: s["seconds"] for s in samples if _ok(s, BASELINE, n)}
         base_median = statistics.median(base.values()) if base else None
-        for variant in VARIANTS:
+        for variant in variants:
             if variant in skipped:
                 by_variant[variant] = {"status": "skipped", "reason": skipped[variant]}
                 continue
@@ -431,14 +617,25 @@ def evaluate(target: Target, results: list[dict[str, Any]]) -> dict[str, Any]:
     for row in rows:
         mine = row["variants"].get(target.variant, {})
         other = row["variants"].get(target.versus, {})
-        if mine.get("status") != "ok" or other.get("status") != "ok":
-            why = mine.get("reason") or mine.get("status") or "not run"
-            missing.append(f"{row['size']}: {target.variant} {why}")
+        gaps = [
+            f"{name} {r.get('reason') or r.get('status') or 'not run'}"
+            for name, r in ((target.variant, mine), (target.versus, other))
+            if r.get("status") != "ok"
+        ]
+        if gaps:
+            missing.append(f"{row['size']}: " + ", ".join(gaps))
             continue
         ratio = other["median_s"] / mine["median_s"]
-        checks.append(
-            {"size_bytes": row["size_bytes"], "ratio": ratio, "ok": ratio >= target.min_ratio}
-        )
+        check: dict[str, Any] = {
+            "size_bytes": row["size_bytes"],
+            "ratio": ratio,
+            "ok": ratio >= target.min_ratio,
+        }
+        top = row["variants"].get(target.ceiling or "", {})
+        if top.get("status") == "ok":
+            # the most any allocator of this kind reached against `versus`, same run
+            check["ceiling_ratio"] = other["median_s"] / top["median_s"]
+        checks.append(check)
     if not rows:
         passed: bool | None = None
         missing.append(f"{format_size(target.size_bytes or 0)} not measured in this run")
@@ -454,6 +651,8 @@ def evaluate(target: Target, results: list[dict[str, Any]]) -> dict[str, Any]:
         "versus": target.versus,
         "min_ratio": target.min_ratio,
         "size_bytes": target.size_bytes,
+        "ceiling": target.ceiling,
+        "why": target.why,
         "checks": checks,
         "missing": missing,
         "pass": passed,
@@ -532,10 +731,7 @@ def run_all(
                         f"(was {hugepages['old_pages']}); warming up",
                         file=sys.stderr,
                     )
-                    warm = spawn(wanted_huge[0], max(sizes), pages)
-                    hugepages["warmup"] = warm
-                    if "error" in warm:
-                        print(f"  warm-up failed: {warm['error']}", file=sys.stderr)
+                    hugepages["warm_s"] = reservation.warm()
 
             active = [v for v in variants if v not in skipped]
             for run in range(runs):
@@ -565,7 +761,7 @@ def run_all(
             if reservation is not None:
                 reservation.restore()
 
-    results = summarise(sizes, samples, skipped)
+    results = summarise(sizes, variants, samples, skipped)
     data: dict[str, Any] = {
         "benchmark": "populate",
         "schema": 1,
@@ -582,6 +778,8 @@ def run_all(
             "pages_meaning": PAGES_HELP[pages],
             "interleaving": "per round and size, variant order rotated by (round + size index)",
             "timed": "allocate + populate + tensor creation; no interpreter or import time",
+            "warmup_bytes": WARMUP_BYTES,
+            "populate_threads": THREADS,
             "residency_check": "mincore over the tensor, plus fstat st_blocks for fd-backed",
         },
         "machine": machine,

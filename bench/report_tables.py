@@ -1,4 +1,5 @@
-"""Markdown renderers for the smaller benchmarks (overhead, scrape, share, leakcheck, soak).
+"""Markdown renderers for the smaller benchmarks (first_alloc, overhead, scrape, share,
+leakcheck, soak).
 
 Plain functions over the JSON each benchmark writes; `bench/report.py` registers them.
 """
@@ -176,7 +177,31 @@ def share_attacks(data: dict[str, Any], _ctx: Any) -> str:
     )
 
 
+def first_alloc(data: dict[str, Any], _ctx: Any) -> str:
+    m = data["median"]
+    n = len([s for s in data["samples"] if "error" not in s])
+    return "\n".join(
+        [
+            f"First allocation in a fresh process ({n} processes, medians, "
+            f"{data['date'][:10]}), on top of `import torch` ({m['import_torch_ms']:.0f} ms, "
+            "not counted); bytecode cached, as on an installed host.",
+            "",
+            "| step | median |",
+            "| --- | ---: |",
+            f"| `from hostpool import ShmHostTensorAllocator` | {m['import_ms']:.1f} ms |",
+            f"| construct the allocator | {m['construct_ms']:.2f} ms |",
+            f"| first 2 MiB `allocate()` (lazy probes included) | {m['first_call_ms']:.1f} ms |",
+            f"| **import + construct + first call** | **{m['total_ms']:.1f} ms** |",
+            f"| second 2 MiB `allocate()`, for contrast | {m['second_call_ms']:.1f} ms |",
+            "",
+            f"Target < {data['target_ms']:.0f} ms: {VERDICT[bool(data['pass'])]} (range "
+            f"{data['min_total_ms']:.1f} to {data['max_total_ms']:.1f} ms).",
+        ]
+    )
+
+
 TABLES = {
+    "first_alloc": first_alloc,
     "overhead": overhead,
     "scrape": scrape,
     "share": share,
