@@ -530,12 +530,22 @@ EXPORTER = RowSpec(
             needs="exporter",
         ),
         PanelSpec(
-            "Exporter: matched processes",
-            "Processes the exporter matched per prefix. Zero means the watched server is "
-            "down or names its memory with another prefix (hostpool. or "
-            "sglang_host_pool_): check `hostpool exporter --match`.",
+            "Exporter: matched processes, folded pools",
+            "Processes the exporter matched per prefix (`--match`). Zero means the watched "
+            "server is down or names its memory with another prefix (hostpool. or "
+            "sglang_host_pool_): check `hostpool exporter --match`. With `--pid`: 1 while "
+            "the watched process exists, 0 once it exited. Folded: pools past the "
+            'exporter\'s --max-pools, summed into pool="_other" (someone names many memfds '
+            "after the prefix).",
             "short",
-            (q(f"sum by (prefix) (hostpool_exporter_processes{{{TARGET}}})", "{{prefix}}"),),
+            (
+                q(f"sum by (prefix) (hostpool_exporter_processes{{{TARGET}}})", "{{prefix}}"),
+                q(f"max by (pid) (hostpool_exporter_target_up{{{TARGET}}})", "pid {{pid}}"),
+                q(
+                    f"sum by (prefix) (hostpool_exporter_pools_folded{{{TARGET}}})",
+                    "{{prefix}} folded pools",
+                ),
+            ),
             width=24,
             needs="exporter",
         ),
@@ -673,20 +683,24 @@ def _query_variable(name: str, label: str, query: str, description: str) -> dash
     )
 
 
+# one metric every server and exporter exports: an exporter exports
+# hostpool_exporter_processes with --match, hostpool_exporter_target_up with --pid
+_TARGET_METRICS = "hostpool_build_info|hostpool_exporter_processes|hostpool_exporter_target_up"
+
+
 def variables() -> list[Any]:
     return [
         dash.DatasourceVariable("datasource").label("Data source").type("prometheus"),
         _query_variable(
             "job",
             "Job",
-            'label_values({__name__=~"hostpool_build_info|hostpool_exporter_processes"}, job)',
+            f'label_values({{__name__=~"{_TARGET_METRICS}"}}, job)',
             "Scrape jobs exposing hostpool metrics (servers and exporters).",
         ),
         _query_variable(
             "instance",
             "Instance",
-            'label_values({__name__=~"hostpool_build_info|hostpool_exporter_processes",'
-            ' job=~"$job"}, instance)',
+            f'label_values({{__name__=~"{_TARGET_METRICS}", job=~"$job"}}, instance)',
             "Targets of the selected jobs.",
         ),
         _query_variable(
