@@ -6,23 +6,25 @@ live regions): dropping the tensors frees the memory, inside a manager or not.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
 import mmap
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
 from hostpool import events
+from hostpool.budget import Admission
 from hostpool.config import load_mapping
 from hostpool.errors import AllocationError, ConfigError, HostPoolError, InvalidRequestError
 from hostpool.lifecycle import Ledger, get_ledger
-from hostpool.memory.create import create_region
-from hostpool.memory.hugepages import Kind, plan_hugepages
+from hostpool.locks import ForkSafeLock
+from hostpool.memory.create import backend_of, create_region, plan_fallback
+from hostpool.memory.hugepages import HugepagePlan, Kind, plan_hugepages
 from hostpool.memory.options import RegionOptions, validate_pool_name
 from hostpool.memory.region import Region, tensor_over
 from hostpool.records import capture_stack
@@ -30,17 +32,26 @@ from hostpool.records import capture_stack
 # Anything past this is a typo or an overflow, not a KV cache (64 TiB).
 MAX_REQUEST_BYTES = 1 << 46
 
-# Admission: given (bytes, hugetlb page size or None), a context manager that reserves
-# them (raising AllocationError when they do not fit) for the duration of the mmap.
-Admission = Callable[[int, "int | None"], contextlib.AbstractContextManager[Any]]
-
 _UNSUPPORTED_DTYPES = {
     getattr(torch, name)
     for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
     if hasattr(torch, name)
 }
 _allocator_ids = itertools.count(1)
-_NO_ADMISSION = contextlib.nullcontext()
+_process_admissions: weakref.WeakKeyDictionary[Ledger, Admission] = weakref.WeakKeyDictionary()
+_process_admissions_lock = ForkSafeLock()
+
+
+def process_admission(ledger: Ledger) -> Admission:
+    """The admission of allocators outside any manager: no configured budget, but what
+    the kernel would refuse later (MemAvailable, the cgroup) is refused now, typed."""
+    with _process_admissions_lock:
+        admission = _process_admissions.get(ledger)
+        if admission is None:
+            admission = Admission(None, ledger.held_bytes, kernel_reason="no_memory")
+            _process_admissions[ledger] = admission
+            ledger.add_budget(admission)
+        return admission
 
 
 def request_bytes(dims: object, dtype: object) -> tuple[tuple[int, ...], int]:
@@ -173,26 +184,22 @@ class HostTensorAllocator:
             shape, nbytes = request_bytes(dims, dtype)
             if self._closed:
                 raise InvalidRequestError(f"allocator for pool {self.pool!r} is closed")
-            # Recorded inside the reservation: the budget never sees it in neither place.
-            with self._admit(nbytes):
-                region, holder = create_region(
-                    nbytes,
-                    kind=self.kind,
-                    pool=self.pool,
-                    options=self.options,
-                    on_unmapped=self._ledger.unmapped_callback(),
-                )
-                seconds = time.perf_counter() - started
-                stack = capture_stack(skip=3) if self._tracking() else None
-                self._ledger.record(
-                    region,
-                    allocator=self.registered_name,
-                    owner=self._id,
-                    stack=stack,
-                    seconds=seconds,
-                    dims=shape,
-                    dtype=str(dtype),
-                )
+            plan = plan_hugepages(
+                self.kind, backend_of(self.kind, self.options), nbytes, self.options
+            )
+            try:
+                region, holder, seconds = self._create_admitted(nbytes, plan, started, shape, dtype)
+            except AllocationError as exc:
+                # hugetlb refused by its admission or short at mmap: with `prefer`, plan
+                # the fallback once and admit it like any other request.
+                if not (
+                    exc.reason == "hugepages"
+                    and plan.hugetlb_size is not None
+                    and self.options.hugepages == "prefer"
+                ):
+                    raise
+                plan = plan_fallback(self.kind, nbytes, self.options)
+                region, holder, seconds = self._create_admitted(nbytes, plan, started, shape, dtype)
         except HostPoolError as exc:
             self._failed(exc, started)
             raise
@@ -201,16 +208,40 @@ class HostTensorAllocator:
         self._emit_alloc(region, seconds)
         return tensor, region
 
-    def _admit(self, nbytes: int) -> contextlib.AbstractContextManager[Any]:
-        if self._admission is None:
-            return _NO_ADMISSION
-        backend = "devshm" if self.options.shm_backend == "devshm" else "memfd"
-        try:
-            plan = plan_hugepages(self.kind, backend, nbytes, self.options)
-        except AllocationError:
-            plan = None  # create_region raises the same error with its full message
-        hugetlb = plan.hugetlb_size if plan is not None else None
-        return self._admission(nbytes, hugetlb)
+    def _create_admitted(
+        self,
+        nbytes: int,
+        plan: HugepagePlan,
+        started: float,
+        shape: tuple[int, ...],
+        dtype: Any,
+    ) -> tuple[Region, Any, float]:
+        """Reserve, map, and record inside the reservation: the region turns from in
+        flight into held atomically, so no admission counts it twice or not at all."""
+        admission = self._admission or process_admission(self._ledger)
+        with admission.reserve(nbytes, plan.hugetlb_size) as reservation:
+            region, holder = create_region(
+                nbytes,
+                kind=self.kind,
+                pool=self.pool,
+                options=self.options,
+                on_unmapped=self._ledger.unmapped_callback(),
+                plan=plan,
+            )
+            seconds = time.perf_counter() - started
+            stack = capture_stack(skip=4) if self._tracking() else None
+            reservation.commit(
+                lambda: self._ledger.record(
+                    region,
+                    allocator=self.registered_name,
+                    owner=self._id,
+                    stack=stack,
+                    seconds=seconds,
+                    dims=shape,
+                    dtype=str(dtype),
+                )
+            )
+        return region, holder, seconds
 
     def _tracking(self) -> bool:
         if self._track_stacks is not None:

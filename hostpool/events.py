@@ -12,6 +12,8 @@ nothing prints it.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from typing import Any
 
 stdlib_logger = logging.getLogger("hostpool")
@@ -28,6 +30,16 @@ def _structlog() -> Any:
 
         _log = structlog.wrap_logger(stdlib_logger)
     return _log
+
+
+def _before_fork() -> None:
+    # A child forked while another thread is inside `import structlog` would wait for
+    # that import's module lock forever: let the import finish first (no cost otherwise).
+    if _log is None and "structlog" in sys.modules:
+        _structlog()
+
+
+os.register_at_fork(before=_before_fork)
 
 
 def emit(event: str, level: int = logging.INFO, **fields: Any) -> None:

@@ -8,6 +8,10 @@ Managers, allocators and `alloc_shm` all record here; managers are views of it.
 - Finalizers run inside cyclic GC, on any thread, possibly while this thread holds the
   ledger lock. So they take no lock: they append `(generation, region_id)` to a deque,
   and every ledger operation drains that queue under the lock.
+- Nothing slow runs under the lock: munmap and fd closes happen after it is let go; the
+  lock guards bookkeeping only (a scrape or an admission never waits for an unmap).
+- Registries of budgets and share servers hold weak references, so a dropped manager is
+  collected; its regions are then released (`finalizer`) and reported as a leak.
 - Fork: the child gets a fresh generation; queued or future finalizer notices of the
   parent's regions are ignored, and the child starts with an empty ledger.
 """
@@ -19,17 +23,20 @@ import collections
 import contextlib
 import functools
 import os
-import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from hostpool import events
+from hostpool.locks import ForkSafeLock
 from hostpool.memory.region import Region
 from hostpool.records import AllocationRecord, record_of
 
 # Births and deaths queued before the hot path settles them itself.
 _SETTLE_EVERY = 256
+# Duration observations kept for a multiprocess publisher between two publishes.
+_OBSERVATIONS_MAX = 1 << 20
 
 # hostpool_allocation_duration_seconds buckets: 1 ms .. 10 min.
 DURATION_BUCKETS = (
@@ -63,6 +70,16 @@ class _Histogram:
         self.total += seconds
 
 
+@dataclass
+class _AfterUnlock:
+    """Work a drain found that must not run under the lock: unmaps and events."""
+
+    finished: list[tuple[str, _Entry]]
+    to_close: list[_Entry]
+    leaked: list[_Entry]
+    fd_reused: list[tuple[str, int, str | None]]
+
+
 def tracking_stacks_from_env() -> bool:
     return os.environ.get("HOSTPOOL_TRACK_STACKS", "") not in ("", "0", "false", "no")
 
@@ -71,9 +88,14 @@ class Ledger:
     """Thread-safe record of this process's regions and lifetime counters."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._entries: dict[int, _Entry] = {}
-        self._gone: collections.deque[tuple[int, int, str]] = collections.deque()
+        self._gone: collections.deque[tuple[int, int, str, int | None]] = collections.deque()
+        # Owner-id sets of managers collected without close() (queued by their finalizer).
+        self._dropped: collections.deque[tuple[int, frozenset[int]]] = collections.deque()
+        self._to_close: list[_Entry] = []
+        self._leaked: list[_Entry] = []
+        self._fd_reused_events: list[tuple[str, int, str | None]] = []
         self._generation = 0
         self.pid = os.getpid()
         self.known_pools: dict[str, None] = {}
@@ -81,9 +103,16 @@ class Ledger:
         self.releases_total: collections.Counter[tuple[str, str]] = collections.Counter()
         self.failures_total: collections.Counter[tuple[str, str]] = collections.Counter()
         self.fallbacks_total: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.fd_reuse_skips: collections.Counter[str] = collections.Counter()
         self.durations: dict[str, _Histogram] = {}
-        self.budgets: list[Any] = []  # objects with limit_bytes() / reserved_bytes()
-        self.share_clients: Callable[[], dict[str, int]] | None = None
+        # Raw (pool, seconds) observations for a publisher that replays them (multiprocess).
+        # In prometheus_client's multiprocess mode a publisher will want them all.
+        self._observations: list[tuple[str, float]] | None = (
+            [] if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
+        )
+        # Weak registries: a budget or share server that is dropped drops out of them.
+        self._budgets: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._share_sources: list[weakref.WeakMethod[Callable[[], dict[str, int]]]] = []
         self.track_stacks = tracking_stacks_from_env()
         self._finished: list[tuple[str, _Entry]] = []
         self._births: list[_Entry] = []
@@ -101,13 +130,27 @@ class Ledger:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        """The ledger lock; releases drained meanwhile are logged after it is let go."""
+        """The ledger lock; what was drained meanwhile is unmapped and logged after it is
+        let go."""
         with self._lock:
-            if self._gone or self._births:
+            if self._gone or self._births or self._dropped:
                 self._drain_locked()
             yield
-            finished, self._finished = self._finished, []
-        _emit_releases(finished)
+            after = self._take_after_unlock_locked()
+        self._after_unlock(after)
+
+    def _take_after_unlock_locked(self) -> _AfterUnlock:
+        after = _AfterUnlock(self._finished, self._to_close, self._leaked, self._fd_reused_events)
+        self._finished, self._to_close, self._leaked, self._fd_reused_events = [], [], [], []
+        return after
+
+    def _after_unlock(self, after: _AfterUnlock) -> None:
+        for entry in after.to_close:
+            self._finish_release(entry)
+        for pool, fd, name in after.fd_reused:
+            _emit_fd_reused(pool, fd, name)
+        _emit_leaks(after.leaked)
+        _emit_releases(after.finished)
 
     # -- finalizer side: no lock, no region reference -------------------------------
     def unmapped_callback(self) -> Callable[..., None]:
@@ -118,6 +161,60 @@ class Ledger:
                 _notify_gone, self._gone, self._generation
             )
         return callback
+
+    def owners_dropped_callback(self) -> Callable[[Iterable[int]], None]:
+        """For a manager's finalizer: its allocators' ids, queued (no lock, no reference)."""
+        return functools.partial(_notify_dropped, self._dropped, self._generation)
+
+    # -- weak registries ---------------------------------------------------------------
+    def add_budget(self, budget: Any) -> None:
+        """Register an admission (limit and reservation source), held weakly."""
+        with self._locked():
+            self._budgets.add(budget)
+
+    def remove_budget(self, budget: Any) -> None:
+        with self._locked():
+            self._budgets.discard(budget)
+
+    def budgets(self) -> list[Any]:
+        with self._locked():
+            return list(self._budgets)
+
+    def add_share_source(self, attached_counts: Callable[[], dict[str, int]]) -> None:
+        """A share server's per-pool peer counts (a bound method, held weakly)."""
+        with self._locked():
+            self._share_sources = [r for r in self._share_sources if r() is not None]
+            self._share_sources.append(weakref.WeakMethod(attached_counts))
+
+    def remove_share_source(self, attached_counts: Callable[[], dict[str, int]]) -> None:
+        with self._locked():
+            self._share_sources = [
+                r for r in self._share_sources if r() is not None and r() != attached_counts
+            ]
+
+    def attached_clients(self) -> dict[str, int]:
+        """Peers per pool, summed over every live share server of this process."""
+        with self._locked():
+            sources = [m for r in self._share_sources if (m := r()) is not None]
+        out: collections.Counter[str] = collections.Counter()
+        for source in sources:
+            out.update(source())
+        return dict(out)
+
+    # -- duration observations (multiprocess publisher) --------------------------------
+    def log_durations(self) -> None:
+        """Keep raw duration observations from now on, for `take_durations()`."""
+        with self._locked():
+            if self._observations is None:
+                self._observations = []
+
+    def take_durations(self) -> list[tuple[str, float]]:
+        """The (pool, seconds) observations made since the last call."""
+        with self._locked():
+            taken = self._observations or []
+            if self._observations is not None:
+                self._observations = []
+            return taken
 
     # -- recording -------------------------------------------------------------------
     def add_pool(self, pool: str) -> None:
@@ -145,9 +242,8 @@ class Ledger:
             if len(births) < _SETTLE_EVERY and len(self._gone) < _SETTLE_EVERY:
                 return
             self._drain_locked()  # keep the queues short when nobody reads
-            finished, self._finished = self._finished, []
-        if finished:
-            _emit_releases(finished)
+            after = self._take_after_unlock_locked()
+        self._after_unlock(after)
 
     def _settle_births_locked(self) -> None:
         births, self._births = self._births, []
@@ -166,6 +262,9 @@ class Ledger:
             if histogram is None:
                 histogram = self.durations[pool] = _Histogram()
             histogram.observe(entry.seconds)
+            log = self._observations
+            if log is not None and len(log) < _OBSERVATIONS_MAX:
+                log.append((pool, entry.seconds))
 
     def _count_live(self, entry: _Entry, sign: int) -> None:
         r = entry.region
@@ -186,20 +285,35 @@ class Ledger:
         with self._locked():
             entry = self._entries.get(region_id)
             if entry is None or entry.state != "live":
-                result = None
-            else:
-                gone = entry.region.close()
-                self._count_live(entry, -1)
-                self.releases_total[(entry.region.pool, "explicit")] += 1
-                if not gone:
-                    entry.state = "released_mapped"
-                elif self._peers.get(region_id):
+                return None
+            self._begin_release_locked(entry, "explicit", announce=False)
+        gone = self._finish_release(entry)
+        _emit_releases([("explicit", entry)], gone)
+        return gone
+
+    def _begin_release_locked(self, entry: _Entry, how: str, *, announce: bool = True) -> None:
+        # Counted now, unmapped after the lock: until then the bytes show as still mapped.
+        self._count_live(entry, -1)
+        self.releases_total[(entry.region.pool, how)] += 1
+        entry.state = "released_mapped"
+        if announce:
+            self._finished.append((how, entry))
+
+    def _finish_release(self, entry: _Entry) -> bool:
+        """Close the region's fd and unmap (outside the lock), then record the outcome."""
+        region = entry.region
+        gone = region.close()
+        with self._lock:
+            if region.fd_reused is not None:
+                self.fd_reuse_skips[region.pool] += 1
+            if gone and self._entries.get(region.id) is entry:
+                if self._peers.get(region.id):
                     entry.state = "released_shared"
                 else:
-                    self._forget(region_id)
-                self._finished.append(("explicit", entry))
-                result = gone
-        return result
+                    self._forget(region.id)
+        if region.fd_reused is not None:
+            _emit_fd_reused(region.pool, region.fd_reused, region.name)
+        return gone
 
     def drain(self) -> None:
         """Process finalizer notices now (leak checks and snapshots call this first)."""
@@ -209,14 +323,27 @@ class Ledger:
     def _drain_locked(self) -> None:
         if self._births:
             self._settle_births_locked()  # a region is counted born before it dies
+        while self._dropped:
+            generation, owners = self._dropped.popleft()
+            if generation != self._generation:
+                continue
+            for orphan in self._entries.values():
+                if orphan.owner in owners and orphan.state == "live":
+                    # Its manager was collected without close(): release, report a leak.
+                    self._begin_release_locked(orphan, "finalizer")
+                    self._to_close.append(orphan)
+                    self._leaked.append(orphan)
         while True:
             try:
-                generation, region_id, how = self._gone.popleft()
+                generation, region_id, how, reused_fd = self._gone.popleft()
             except IndexError:
                 return
             if generation != self._generation:
                 continue  # a parent's region, seen from a forked child
             entry = self._entries.pop(region_id, None)
+            if reused_fd is not None and entry is not None:
+                self.fd_reuse_skips[entry.region.pool] += 1
+                self._fd_reused_events.append((entry.region.pool, reused_fd, entry.region.name))
             if entry is None:
                 continue
             if entry.state == "live":
@@ -245,9 +372,11 @@ class Ledger:
         entry = self._entries.pop(region_id)
         self._owner_bytes[entry.owner] -= entry.region.mapped_bytes
 
-    def held_bytes(self, owners: Iterable[int]) -> int:
-        """Bytes the regions of these allocators map (what a budget counts as held)."""
+    def held_bytes(self, owners: Iterable[int] | None = None) -> int:
+        """Bytes the regions of these allocators (or of all) map: a budget's "held"."""
         with self._locked():
+            if owners is None:
+                return sum(self._owner_bytes.values())
             return sum(self._owner_bytes.get(o, 0) for o in owners)
 
     def peers(self, region_id: int) -> int:
@@ -291,6 +420,7 @@ class Ledger:
                 "releases_total": dict(self.releases_total),
                 "failures_total": dict(self.failures_total),
                 "fallbacks_total": dict(self.fallbacks_total),
+                "fd_reuse_skips": dict(self.fd_reuse_skips),
                 "durations": {p: (list(h.counts), h.total) for p, h in self.durations.items()},
                 "known_pools": list(self.known_pools),
             }
@@ -298,11 +428,14 @@ class Ledger:
     # -- fork ------------------------------------------------------------------------
     def _after_fork_in_child(self) -> None:
         # The child owns none of the parent's regions: it must not release or count
-        # them. The lock may have been held by another parent thread: replace it.
-        self._lock = threading.Lock()
+        # them. (Its lock, a ForkSafeLock, is already a fresh one.)
         self._generation += 1
         self._entries = {}
         self._gone = collections.deque()
+        self._dropped = collections.deque()
+        self._to_close = []
+        self._leaked = []
+        self._fd_reused_events = []
         self._finished = []
         self._births = []
         self._callback = None
@@ -316,21 +449,57 @@ class Ledger:
             self.releases_total,
             self.failures_total,
             self.fallbacks_total,
+            self.fd_reuse_skips,
         ):
             counter.clear()
         self.durations = {}
+        if self._observations is not None:
+            self._observations = []
 
 
 def _notify_gone(
-    queue: collections.deque[tuple[int, int, str]],
+    queue: collections.deque[tuple[int, int, str, int | None]],
     generation: int,
     rid: int,
     how: str = "finalizer",
+    reused_fd: int | None = None,
 ) -> None:
-    queue.append((generation, rid, how))
+    queue.append((generation, rid, how, reused_fd))
 
 
-def _emit_releases(finished: list[tuple[str, _Entry]]) -> None:
+def _notify_dropped(
+    queue: collections.deque[tuple[int, frozenset[int]]],
+    generation: int,
+    owners: Iterable[int],
+) -> None:
+    queue.append((generation, frozenset(owners)))
+
+
+def _emit_fd_reused(pool: str, fd: int, name: str | None) -> None:
+    events.warning(
+        "hostpool.fd_reused",
+        pool=pool,
+        fd=fd,
+        name=name,
+        action="not closed: the number names another file now (a caller closed ours)",
+    )
+
+
+def _emit_leaks(leaked: list[_Entry]) -> None:
+    for entry in leaked:
+        r = entry.region
+        events.warning(
+            "hostpool.leak",
+            pool=r.pool,
+            bytes=r.mapped_bytes,
+            name=r.name,
+            allocator=entry.allocator,
+            stack=entry.stack,
+            why="its HostPoolManager was collected without close()",
+        )
+
+
+def _emit_releases(finished: list[tuple[str, _Entry]], gone: bool | None = None) -> None:
     for how, entry in finished:
         r = entry.region
         events.info(
@@ -340,7 +509,7 @@ def _emit_releases(finished: list[tuple[str, _Entry]]) -> None:
             allocator=entry.allocator,
             bytes=r.mapped_bytes,
             name=r.name,
-            still_mapped=entry.state == "released_mapped",
+            still_mapped=not gone if gone is not None else r.mapped,
         )
 
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import threading
+import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from hostpool import events
 from hostpool.allocators import HostTensorAllocator, allocator_class
-from hostpool.budget import Admission, BudgetPolicy, as_policy
+from hostpool.budget import Admission, BudgetPolicy, BudgetView, as_policy, budget_view
 from hostpool.errors import InvalidRequestError
 from hostpool.lifecycle import Ledger, get_ledger
+from hostpool.locks import ForkSafeLock
 from hostpool.memory.options import validate_pool_name
 from hostpool.records import AllocationRecord
 from hostpool.units import format_size
@@ -56,10 +58,19 @@ class HostPoolManager:
     ) -> None:
         self._ledger = ledger or get_ledger()
         self._track_stacks = track_stacks or self._ledger.track_stacks
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._allocators: dict[str, HostTensorAllocator] = {}
-        self._admission = Admission(as_policy(budget), self._held_bytes, headroom=headroom)
-        self._ledger.budgets.append(self._admission)
+        # Ids of this manager's allocators. Nothing the ledger or the admission holds
+        # refers back to the manager, so dropping it without close() collects it; the
+        # finalizer then has the ledger release its regions and report them as a leak.
+        self._owners: list[int] = []  # appended only: a reader may iterate it meanwhile
+        held = functools.partial(self._ledger.held_bytes, self._owners)
+        self._admission = Admission(as_policy(budget), held, headroom=headroom)
+        self._ledger.add_budget(self._admission)
+        self._finalizer = weakref.finalize(
+            self, self._ledger.owners_dropped_callback(), self._owners
+        )
+        self._finalizer.atexit = False
         self._closed = False
 
     def allocator(
@@ -83,10 +94,11 @@ class HostPoolManager:
                 pool,
                 ledger=self._ledger,
                 track_stacks=self._track_stacks,
-                admission=self._admission.reserve,
+                admission=self._admission,
                 **options,
             )
             self._allocators[pool] = created
+            self._owners.append(created._id)
             return created
 
     def allocator_for(self, pool: str) -> HostTensorAllocator | None:
@@ -98,10 +110,10 @@ class HostPoolManager:
         return list(self._allocators)
 
     def _owner_ids(self) -> set[int]:
-        return {a._id for a in self._allocators.values()}
+        return set(self._owners)
 
     def _held_bytes(self) -> int:
-        return self._ledger.held_bytes(self._owner_ids())
+        return self._ledger.held_bytes(self._owners)
 
     def snapshot(self) -> list[AllocationRecord]:
         """Plain records of this manager's regions (live and released-still-mapped)."""
@@ -129,6 +141,11 @@ class HostPoolManager:
     def budget_reserved_bytes(self) -> int:
         return self._admission.reserved_bytes()
 
+    def budget_view(self) -> BudgetView:
+        """Every limit that applies to this process now, and what it reserves: the same
+        numbers as `hostpool_budget_bytes{limit}` and `hostpool_budget_reserved_bytes`."""
+        return budget_view(self._ledger.budgets(), self._ledger.held_bytes())
+
     def register_metrics(self, registry: Any = None) -> Any:
         """Register hostpool's collector with `registry` (default: the global one)."""
         from hostpool.metrics import register_metrics
@@ -141,6 +158,7 @@ class HostPoolManager:
             already = self._closed
             self._closed = True
             allocators = list(self._allocators.values())
+        self._finalizer.detach()  # closed: nothing to report when it is collected
         for a in allocators:
             a.close()
         settle = getattr(self._admission.policy, "settle", None)
@@ -159,8 +177,7 @@ class HostPoolManager:
                 allocator=r.allocator,
                 stack=r.stack,
             )
-        if self._admission in self._ledger.budgets:
-            self._ledger.budgets.remove(self._admission)
+        self._ledger.remove_budget(self._admission)
         return LeakReport(leaks)
 
     def __enter__(self) -> HostPoolManager:

@@ -10,7 +10,6 @@ names as plain metrics with explicit `multiprocess_mode`, refreshed by a thread.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 import weakref
 from collections import defaultdict
@@ -27,8 +26,10 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from hostpool import __version__
+from hostpool.budget import LIMITS, budget_view
 from hostpool.errors import FAILURE_REASONS
 from hostpool.lifecycle import DURATION_BUCKETS, Ledger, get_ledger
+from hostpool.locks import ForkSafeLock
 from hostpool.memory import kernel
 from hostpool.memory.hugepages import FALLBACK_REASONS
 from hostpool.units import format_size
@@ -88,10 +89,21 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     ),
     "hostpool_budget_bytes": (
         "gauge",
-        (),
-        "Effective budget: what is held plus what may still be allocated.",
+        ("limit",),
+        "Per limit that applies (" + ", ".join(LIMITS) + "): reserved bytes plus the room "
+        "it leaves now, capped at what the host or cgroup holds; the smallest binds.",
     ),
-    "hostpool_budget_reserved_bytes": ("gauge", (), "Bytes reserved against the budget."),
+    "hostpool_budget_reserved_bytes": (
+        "gauge",
+        (),
+        "Bytes this process's allocations hold plus those being allocated.",
+    ),
+    "hostpool_fd_reuse_skips": (
+        "counter",
+        ("pool",),
+        "fds not closed because their number named another file by then (a caller closed "
+        "hostpool's fd and the kernel reused the number).",
+    ),
     "hostpool_hugepages_free": (
         "gauge",
         ("page_size",),
@@ -224,17 +236,18 @@ def measure(ledger: Ledger) -> dict[str, dict[tuple[str, ...], Any]]:
             cumulative += count
             buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(cumulative)))
         out["hostpool_allocation_duration_seconds"][(pool,)] = (buckets, total)
-    limit, reserved = 0.0, 0.0
-    for admission in list(ledger.budgets):
-        limit += admission.effective_limit()
-        reserved += admission.reserved_bytes()
-    out["hostpool_budget_bytes"][()] = limit
-    out["hostpool_budget_reserved_bytes"][()] = reserved
+    for pool in pools:
+        out["hostpool_fd_reuse_skips"][(pool,)] = 0.0
+    for pool, n in counters["fd_reuse_skips"].items():
+        out["hostpool_fd_reuse_skips"][(pool,)] = float(n)
+    view = budget_view(ledger.budgets(), ledger.held_bytes())
+    for limit, value in view.limits.items():
+        out["hostpool_budget_bytes"][(limit,)] = float(value)
+    out["hostpool_budget_reserved_bytes"][()] = float(view.reserved)
     for size, hp in sorted(kernel.hugepage_pools().items()):
         out["hostpool_hugepages_free"][(format_size(size),)] = float(hp.available)
-    if ledger.share_clients is not None:
-        for pool, n in ledger.share_clients().items():
-            out["hostpool_attached_clients"][(pool,)] = float(n)
+    for pool, n in ledger.attached_clients().items():
+        out["hostpool_attached_clients"][(pool,)] = float(n)
     out["hostpool_build_info"][(__version__,)] = 1.0
     return out
 
@@ -247,7 +260,7 @@ def _page_label(page_size: int) -> str:
 _registered: weakref.WeakKeyDictionary[CollectorRegistry, HostPoolCollector] = (
     weakref.WeakKeyDictionary()
 )
-_registered_lock = threading.Lock()
+_registered_lock = ForkSafeLock()
 
 
 def register_metrics(

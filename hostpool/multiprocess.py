@@ -4,8 +4,10 @@ There, a server's parent aggregates workers' metric files and ignores custom col
 so each worker publishes the same names as plain metrics: gauges with an explicit
 `multiprocess_mode` (`livesum` for bytes, fds and counts, which add up across workers;
 `livemax` where a sum is meaningless: host-wide hugepages, the build info, scrape time),
-counters and the duration histogram fed with the ledger's increments. No pid label is
-added by hostpool. A background thread refreshes them (resident bytes need measuring).
+counters fed with the ledger's increments, and the duration histogram fed with the real
+observations (the ledger keeps them for the publisher, so `_sum` is the true total). No pid
+label is added by hostpool. `start()` publishes at once, then a background thread
+refreshes them (resident bytes need measuring).
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ from hostpool.lifecycle import DURATION_BUCKETS, Ledger, get_ledger
 from hostpool.metrics import METRICS, measure
 
 # Host-wide or per-process values that must not be summed across workers.
-_LIVEMAX = {"hostpool_hugepages_free", "hostpool_build_info", "hostpool_scrape_duration_seconds"}
+_LIVEMAX = {
+    "hostpool_hugepages_free",
+    "hostpool_build_info",
+    "hostpool_scrape_duration_seconds",
+    "hostpool_budget_bytes",
+}
 
 
 class MultiprocessPublisher:
@@ -33,11 +40,11 @@ class MultiprocessPublisher:
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.ledger = ledger or get_ledger()
+        self.ledger.log_durations()  # from now on; the ledger starts it at import in this mode
         self.interval = interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._seen_counts: dict[tuple[str, tuple[str, ...]], float] = {}
-        self._seen_durations: dict[str, list[int]] = {}
         self._metrics: dict[str, Any] = {}
         self._seen_gauges: dict[str, set[tuple[str, ...]]] = {}
         kwargs: dict[str, Any] = {} if registry is None else {"registry": registry}
@@ -83,19 +90,9 @@ class MultiprocessPublisher:
         self._metrics["hostpool_scrape_duration_seconds"].set(time.perf_counter() - started)
 
     def _publish_durations(self) -> None:
-        # Replay new observations at their bucket bounds (exact for counts and buckets).
-        counters = self.ledger.counters()
         histogram = self._metrics["hostpool_allocation_duration_seconds"]
-        for pool, (counts, _total) in counters["durations"].items():
-            seen = self._seen_durations.setdefault(pool, [0] * len(counts))
-            child = histogram.labels(pool)
-            for i, (now, before) in enumerate(zip(counts, seen, strict=True)):
-                bound = (
-                    DURATION_BUCKETS[i] if i < len(DURATION_BUCKETS) else DURATION_BUCKETS[-1] * 2
-                )
-                for _ in range(now - before):
-                    child.observe(bound)
-            self._seen_durations[pool] = list(counts)
+        for pool, seconds in self.ledger.take_durations():
+            histogram.labels(pool).observe(seconds)
 
     def start(self) -> MultiprocessPublisher:
         self.publish()

@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
+from structlog.testing import capture_logs
 
 from hostpool import (
     HostPoolManager,
     ShmHostTensorAllocator,
 )
 from hostpool.lifecycle import get_ledger
+from hostpool.memory.region import Region
 from tests import helpers
+
+MiB = 1 << 20
 
 
 def _live_ids() -> set[int]:
@@ -97,3 +107,164 @@ def test_forked_child_neither_releases_nor_counts_parent_regions() -> None:
 
 
 # Churn over threads, pools and allocator types: tests/reliability/test_churn.py.
+
+
+def _counter(key: str, pool: str) -> int:
+    counts: dict[Any, int] = get_ledger().counters().get(key, {})
+    return counts.get(pool, 0)
+
+
+def test_close_leaves_alone_an_fd_number_the_kernel_gave_to_another_file(
+    tmp_path: Path,
+) -> None:
+    """The caller closed hostpool's fd (`.fd` handed it out) and the number was reused."""
+    alloc = ShmHostTensorAllocator("fdreuse")
+    kept = alloc.allocate((4096,), torch.uint8)
+    dropped = alloc.allocate((4096,), torch.uint8)
+    numbers = alloc.fds
+    others = []
+    for fd in numbers:
+        os.close(fd)  # the caller's mistake
+        other = os.open(tmp_path / f"other{fd}", os.O_CREAT | os.O_RDWR)
+        if other != fd:
+            os.dup2(other, fd)
+            os.close(other)
+        others.append(fd)
+    before = _counter("fd_reuse_skips", "fdreuse")
+    try:
+        with capture_logs() as logs:
+            del dropped  # the finalizer path
+            gc.collect()
+            alloc.close()  # the explicit path
+            get_ledger().drain()
+        for fd in others:
+            assert os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path / f"other{fd}")
+        assert _counter("fd_reuse_skips", "fdreuse") == before + 2
+        reused = [e for e in logs if e["event"] == "hostpool.fd_reused"]
+        assert sorted(e["fd"] for e in reused) == sorted(others)
+    finally:
+        for fd in others:
+            os.close(fd)
+    del kept
+
+
+def test_unmapping_happens_outside_the_ledger_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scrape or an admission must never wait for munmap (0.9 s for 4 x 1 GiB)."""
+    ledger = get_ledger()
+    held: list[bool] = []
+    real_close = Region.close
+
+    def spy(self: Region) -> bool:
+        held.append(ledger._lock.locked())
+        return real_close(self)
+
+    monkeypatch.setattr(Region, "close", spy)
+    with HostPoolManager() as manager:
+        alloc = manager.allocator("unlocked")
+        t = alloc.allocate((MiB,), torch.uint8)
+        assert alloc.release(t) is False  # t still maps it
+        u = alloc.allocate((MiB,), torch.uint8)
+        del u  # unmapped by the finalizer: no close() call
+        gc.collect()
+        t2 = alloc.allocate((MiB,), torch.uint8)
+        del t2
+    del t
+    assert held and not any(held), held
+
+
+def test_children_forked_while_threads_allocate_can_allocate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every hostpool lock is re-created in a child: 30 of 30 children allocate and exit."""
+    # Events stay off: a thread writing to a buffered sys.stderr at fork leaves the
+    # stream's own (CPython) lock held in the child; that is not a lock hostpool owns.
+    logger = logging.getLogger("hostpool")
+    monkeypatch.setattr(logger, "level", logger.level)  # restored afterwards
+    logger.setLevel(logging.WARNING)  # setLevel also clears the level cache
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    with HostPoolManager(budget=256 * MiB) as manager:
+        allocs = [manager.allocator(f"forkrace{i}", "shm", populate="none") for i in range(2)]
+        allocs += [manager.allocator(f"forkrace{i}", "mmap") for i in range(2, 4)]
+
+        def churn(alloc: Any) -> None:
+            try:
+                while not stop.is_set():
+                    t = alloc.allocate((64 << 10,), torch.uint8)
+                    alloc.release(t)
+                    del t
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=churn, args=(a,)) for a in allocs]
+        for th in threads:
+            th.start()
+
+        def child() -> str:
+            t = allocs[0].allocate((64 << 10,), torch.uint8)
+            t.fill_(1)
+            return "allocated"
+
+        try:
+            results = [helpers.run_forked(child, timeout=20) for _ in range(30)]
+        finally:
+            stop.set()
+            for th in threads:
+                th.join()
+    assert errors == []
+    assert results == [(0, "allocated")] * 30
+
+
+def test_a_manager_dropped_without_close_is_collected_and_reported() -> None:
+    ledger = get_ledger()
+    budgets = len(ledger.budgets())
+    finalized = ledger.counters()["releases_total"].get(("dropped", "finalizer"), 0)
+    manager = HostPoolManager(budget=64 * MiB)
+    alloc = manager.allocator("dropped")
+    t = alloc.allocate((MiB,), torch.uint8)
+    gone = weakref.ref(manager)
+    assert len(ledger.budgets()) == budgets + 1
+    del manager, alloc
+    gc.collect()
+    assert gone() is None  # nothing of hostpool's kept it alive
+    with capture_logs() as logs:
+        ledger.drain()
+    (record,) = [r for r in ledger.snapshot() if r.pool == "dropped"]
+    assert record.state == "released_mapped"  # released; t still maps it
+    counted = ledger.counters()["releases_total"][("dropped", "finalizer")]
+    assert counted == finalized + 1
+    (leak,) = [e for e in logs if e["event"] == "hostpool.leak"]
+    assert leak["pool"] == "dropped" and leak["bytes"] == MiB
+    assert len(ledger.budgets()) == budgets
+    t.fill_(1)  # nothing was unmapped under it
+    address = record.address
+    del t
+    gc.collect()
+    assert [r for r in ledger.snapshot() if r.pool == "dropped"] == []
+    assert not helpers.range_mapped(address, MiB)
+
+
+def test_share_sources_are_summed_and_held_weakly() -> None:
+    class Server:
+        def __init__(self, counts: dict[str, int]) -> None:
+            self.counts = counts
+
+        def attached_counts(self) -> dict[str, int]:
+            return self.counts
+
+    ledger = get_ledger()
+    a, b = Server({"sharedpool": 2}), Server({"sharedpool": 1, "other": 3})
+    ledger.add_share_source(a.attached_counts)
+    ledger.add_share_source(b.attached_counts)
+    try:
+        seen = ledger.attached_clients()
+        assert (seen.get("sharedpool"), seen.get("other")) == (3, 3)  # not last-writer-wins
+        dead = weakref.ref(b)
+        del b
+        gc.collect()
+        assert dead() is None
+        seen = ledger.attached_clients()
+        assert (seen.get("sharedpool"), seen.get("other")) == (2, None)
+    finally:
+        ledger.remove_share_source(a.attached_counts)
+    assert "sharedpool" not in ledger.attached_clients()

@@ -81,6 +81,7 @@ class _Builder:
         self.holder: Any = None
         self.chunks: list[tuple[int, int]] = []
         self.torch_tensor: Any = None
+        self.backend = ""
 
     def abort(self) -> None:
         if self.chunks:
@@ -145,24 +146,62 @@ def create_region(
     pool: str,
     options: RegionOptions,
     on_unmapped: Callable[..., None] | None = None,
-    hugetlb_failed: bool = False,
+    plan: HugepagePlan | None = None,
 ) -> tuple[Region, Any]:
     """Map, size, seal, bind, populate and (optionally) pin `nbytes` of host memory.
 
     Returns the Region and its buffer holder: build tensors over the holder with
     `tensor_over`, and drop it; the Region keeps only weak references.
+    `plan` is the caller's hugepage plan (the one its admission reserved for); hugetlb
+    mmap short of pages raises AllocationError(reason="hugepages") and the caller, having
+    admitted the fallback, calls again with `plan_fallback(...)`'s plan: nothing here
+    maps memory that was not admitted.
     Every failure closes what it opened before raising: no fd, mapping or pin is left.
     `on_unmapped(region_id)` is called once, from a finalizer, when the mapping is gone; it must not
     reference the Region and must not take locks.
     """
     b = _Builder()
+    if plan is None:
+        plan = plan_hugepages(kind, backend_of(kind, options), nbytes, options)
     try:
-        return _create(b, nbytes, kind, pool, options, on_unmapped, hugetlb_failed)
+        return _create(b, nbytes, kind, pool, options, on_unmapped, plan)
     except BaseException as exc:
+        full = isinstance(exc, OSError) and _tmpfs_full(b, nbytes)
         b.abort()
+        if full:
+            raise AllocationError(
+                f"allocating {nbytes} bytes: the backing tmpfs is full "
+                f"({errno.errorcode.get(getattr(exc, 'errno', 0) or 0, exc)} from populate); "
+                "enlarge it (e.g. docker --shm-size) or use the memfd backend",
+                reason="no_space",
+            ) from exc
         if isinstance(exc, OSError):
             raise populate.failure_from_oserror(exc, f"allocating {nbytes} bytes", nbytes) from exc
         raise
+
+
+def backend_of(kind: Kind, options: RegionOptions) -> str:
+    """The backend a request of this kind maps (memfd may still fall back to devshm)."""
+    if kind == "shm":
+        return "devshm" if options.shm_backend == "devshm" else "memfd"
+    return {"mmap": "anon", "torch": "torch"}[kind]
+
+
+def plan_fallback(kind: Kind, nbytes: int, options: RegionOptions) -> HugepagePlan:
+    """The plan after hugetlb was short at mmap time (or refused by its admission)."""
+    return plan_hugepages(kind, backend_of(kind, options), nbytes, options, hugetlb_failed=True)
+
+
+def _tmpfs_full(b: _Builder, nbytes: int) -> bool:
+    """Whether a file-backed failure was the tmpfs running out of space (populate reports
+    EFAULT there, which would otherwise read as a shortage of RAM)."""
+    if b.fd is None or b.backend != "devshm":
+        return False
+    try:
+        st = os.fstatvfs(b.fd)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < _round_up(nbytes, syscalls.PAGE_SIZE)
 
 
 def _create(
@@ -172,12 +211,9 @@ def _create(
     pool: str,
     options: RegionOptions,
     on_unmapped: Callable[..., None] | None,
-    hugetlb_failed: bool,
+    plan: HugepagePlan,
 ) -> tuple[Region, Any]:
-    backend = {"shm": "memfd", "mmap": "anon", "torch": "torch"}[kind]
-    if kind == "shm" and options.shm_backend == "devshm":
-        backend = "devshm"
-    plan = plan_hugepages(kind, backend, nbytes, options, hugetlb_failed=hugetlb_failed)
+    backend = backend_of(kind, options)
     page_size = plan.hugetlb_size or syscalls.PAGE_SIZE
     fallbacks = plan.fallbacks
     name: str | None = None
@@ -195,6 +231,7 @@ def _create(
     if kind == "shm":
         shm_file, backend = _open_shm(pool, options, plan.hugetlb_size)
         b.fd = shm_file.fd
+        b.backend = backend
         name = shm_file.name
         if backend == "devshm" and plan.hugetlb_size is not None:
             raise AssertionError("unreachable: hugetlb planned on devshm")
@@ -205,40 +242,14 @@ def _create(
             # tmpfs and hugetlbfs back the whole file now: ENOSPC/ENOMEM here is clean,
             # where a touch past the space would be a SIGBUS.
             populate.fallocate_all(b.fd, mapped)
-        try:
-            b.mm = RegionMapping(b.fd, mapped, flags=map_flags)
-        except OSError as exc:
-            if plan.hugetlb_size is None or exc.errno != errno.ENOMEM:
-                raise
-            if options.hugepages == "required":
-                pool_now = kernel.hugepage_pool(plan.hugetlb_size)
-                raise HugepageUnavailableError(
-                    required_message(plan.hugetlb_size, mapped // plan.hugetlb_size, pool_now)
-                ) from exc
-            # prefer: the pool (or a hugetlb cgroup limit) was short at mmap time.
-            b.abort()
-            return _retry_without_hugetlb(nbytes, kind, pool, options, on_unmapped)
+        b.mm = _map(b.fd, mapped, map_flags, plan, options)
     else:
         flags = map_flags
         if plan.hugetlb_size is not None:
             flags |= syscalls.MAP_HUGETLB | (
                 (plan.hugetlb_size.bit_length() - 1) << syscalls.MAP_HUGE_SHIFT
             )
-        try:
-            b.mm = RegionMapping(-1, mapped, flags=flags)
-        except OSError as exc:
-            if plan.hugetlb_size is None or exc.errno != errno.ENOMEM:
-                raise
-            if options.hugepages == "required":
-                raise HugepageUnavailableError(
-                    required_message(
-                        plan.hugetlb_size,
-                        mapped // plan.hugetlb_size,
-                        kernel.hugepage_pool(plan.hugetlb_size),
-                    )
-                ) from exc
-            b.abort()
-            return _retry_without_hugetlb(nbytes, kind, pool, options, on_unmapped)
+        b.mm = _map(-1, mapped, flags, plan, options)
 
     holder_type = _holder_type(mapped)
     b.holder = holder_type.from_buffer(b.mm)
@@ -283,8 +294,10 @@ def _create(
         _holder_ref=weakref.ref(b.holder),
     )
     on_views_gone = weakref.finalize(b.holder, _views_gone, b.chunks, None, region.id)
-    on_gone = weakref.finalize(b.mm, _mapping_gone, fd_box, on_unmapped, region.id)
-    b.mm._on_close = (fd_box, on_unmapped, region.id)
+    on_gone = weakref.finalize(
+        b.mm, _mapping_gone, fd_box, on_unmapped, region.id, "finalizer", dev_ino
+    )
+    b.mm._on_close = (fd_box, on_unmapped, region.id, dev_ino)
     for fin in (on_views_gone, on_gone):
         fin.atexit = False
     region._finalizers = [on_views_gone, on_gone]
@@ -297,22 +310,25 @@ def _create(
     return region, holder
 
 
-def _retry_without_hugetlb(
-    nbytes: int,
-    kind: Kind,
-    pool: str,
-    options: RegionOptions,
-    on_unmapped: Callable[..., None] | None,
-) -> tuple[Region, Any]:
-    """`prefer` after hugetlb mmap failed with ENOMEM (a race, or a hugetlb cgroup limit)."""
-    return create_region(
-        nbytes,
-        kind=kind,
-        pool=pool,
-        options=options,
-        on_unmapped=on_unmapped,
-        hugetlb_failed=True,
-    )
+def _map(
+    fd: int, length: int, flags: int, plan: HugepagePlan, options: RegionOptions
+) -> RegionMapping:
+    """mmap; hugetlb short of pages at this moment (a race, or a hugetlb cgroup limit)
+    is a typed `hugepages` error the caller falls back from, with admission."""
+    try:
+        return RegionMapping(fd, length, flags=flags)
+    except OSError as exc:
+        if plan.hugetlb_size is None or exc.errno != errno.ENOMEM:
+            raise
+        pages = length // plan.hugetlb_size
+        message = required_message(
+            plan.hugetlb_size, pages, kernel.hugepage_pool(plan.hugetlb_size)
+        )
+        if options.hugepages == "required":
+            raise HugepageUnavailableError(message) from exc
+        raise AllocationError(
+            f"hugetlb mmap failed (ENOMEM): {message}", reason="hugepages"
+        ) from exc
 
 
 def _create_torch(

@@ -18,20 +18,20 @@ import ctypes
 import functools
 import mmap
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from hostpool.locks import ForkSafeLock
 from hostpool.memory import cuda, syscalls
 
 Kind = Literal["shm", "mmap", "torch"]
 KINDS: tuple[Kind, ...] = ("shm", "mmap", "torch")
 
 _region_ids = iter(range(1, 1 << 62))
-_region_ids_lock = threading.Lock()
+_region_ids_lock = ForkSafeLock()
 
 
 def _next_region_id() -> int:
@@ -46,7 +46,9 @@ class RegionMapping(mmap.mmap):
     nothing until the last view is gone (the mapping then goes with the object).
     """
 
-    _on_close: tuple[list[int], Callable[..., None] | None, int] | None = None
+    _on_close: tuple[list[int], Callable[..., None] | None, int, tuple[int, int] | None] | None = (
+        None
+    )
 
     def close(self) -> None:
         try:
@@ -55,9 +57,9 @@ class RegionMapping(mmap.mmap):
             return  # views live: the mapping goes with the last of them
         if self._on_close is not None:
             # Unmapped now by its holder (sglang's `mm.close()`): an explicit release.
-            fd_box, on_unmapped, region_id = self._on_close
+            fd_box, on_unmapped, region_id, dev_ino = self._on_close
             self._on_close = None
-            _mapping_gone(fd_box, on_unmapped, region_id, "explicit")
+            _mapping_gone(fd_box, on_unmapped, region_id, "explicit", dev_ino)
 
 
 @functools.lru_cache(maxsize=512)
@@ -74,19 +76,39 @@ def _claim(box: list[int]) -> int | None:
         return None
 
 
+def close_if_same(fd: int, dev_ino: tuple[int, int] | None) -> bool:
+    """Close `fd` only if it still names the inode `dev_ino`; False when it does not.
+
+    The number left hostpool's hands (`.fd`, `.fds`): a caller may have closed it and the
+    kernel handed it to an unrelated file, which must not be closed here.
+    """
+    if dev_ino is not None:
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return False  # closed by someone else: nothing of ours to close
+        if (st.st_dev, st.st_ino) != dev_ino:
+            return False
+    os.close(fd)
+    return True
+
+
 def _mapping_gone(
     fd_box: list[int],
     on_unmapped: Callable[..., None] | None,
     region_id: int,
     how: str = "finalizer",
+    dev_ino: tuple[int, int] | None = None,
 ) -> None:
     # Finalizer: runs after munmap, possibly inside cyclic GC on any thread. It takes no
     # lock and holds no reference to the Region.
     fd = _claim(fd_box)
-    if fd is not None:
-        os.close(fd)
+    reused = fd is not None and not close_if_same(fd, dev_ino)
     if on_unmapped is not None:
-        on_unmapped(region_id, how)
+        if reused:
+            on_unmapped(region_id, how, fd)
+        else:
+            on_unmapped(region_id, how)
 
 
 def _views_gone(
@@ -129,6 +151,8 @@ class Region:
     _mm_ref: weakref.ReferenceType[RegionMapping] | None = field(default=None, repr=False)
     _holder_ref: weakref.ReferenceType[Any] | None = field(default=None, repr=False)
     _finalizers: list[weakref.finalize[Any, Any]] = field(default_factory=list, repr=False)
+    # The number of an fd we did not close because it named another file by then.
+    fd_reused: int | None = field(default=None, repr=False)
 
     @property
     def fd(self) -> int | None:
@@ -232,10 +256,11 @@ class Region:
 
         Returns True when the mapping is gone now; False when live views still hold it
         ("released, still mapped"): it goes with the last view, never under it.
+        A number that names another file by now is left open and kept in `fd_reused`.
         """
         fd = _claim(self._fd_box)
-        if fd is not None:
-            os.close(fd)
+        if fd is not None and not close_if_same(fd, self.dev_ino):
+            self.fd_reused = fd
         mm = self.mmap()
         if mm is not None:
             try:
