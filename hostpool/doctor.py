@@ -12,9 +12,9 @@ import resource
 from typing import Any
 
 from hostpool.errors import AllocationError
-from hostpool.memory import cgroup, cuda, kernel
+from hostpool.memory import cgroup, cuda, kernel, thp
 from hostpool.memory.create import _choose_populate
-from hostpool.memory.hugepages import plan_hugepages
+from hostpool.memory.hugepages import plan_hugepages, thp_choice
 from hostpool.memory.options import RegionOptions
 from hostpool.units import format_size
 
@@ -52,7 +52,7 @@ def facts(shm_dir: str = "/dev/shm") -> dict[str, Any]:
             }
             for size, pool in sorted(kernel.hugepage_pools().items())
         },
-        "thp": {"shmem_enabled": kernel.shmem_thp_mode(), "enabled": kernel.anon_thp_mode()},
+        "thp": _thp_facts(),
         "dev_shm": {
             "path": shm_dir,
             "size_bytes": st.f_blocks * st.f_frsize,
@@ -72,6 +72,36 @@ def facts(shm_dir: str = "/dev/shm") -> dict[str, Any]:
     }
 
 
+def _thp_facts() -> dict[str, Any]:
+    f = thp.read_facts()
+    return {
+        "shmem_enabled": f.shmem_enabled,
+        "enabled": f.enabled,
+        "defrag": f.defrag,
+        "reporting_order": f.reporting_order,
+        "free_hugepage_bytes": f.free_hugepage_bytes,
+    }
+
+
+def thp_choices(need: int) -> dict[str, dict[str, Any]]:
+    """The allocators' own THP choice for shm and mmap regions of `need` bytes (1 GiB
+    when no size is given): the step `hugepages="prefer"` reaches without hugetlb."""
+    facts = thp.read_facts()
+    out = {}
+    for kind in ("shm", "mmap"):
+        choice = thp_choice(kind, need or THP_EXAMPLE_BYTES, facts)
+        out[kind] = {
+            "advise": choice.advise,
+            "avoid": choice.avoid,
+            "reason": choice.reason,
+            "why": choice.why,
+        }
+    return out
+
+
+THP_EXAMPLE_BYTES = 1 << 30
+
+
 def plan(hugepages: str, hugepage_size: object, need: int) -> dict[str, Any]:
     """What a shm allocation of `need` bytes would get with these options, and whether
     it can be met (the allocators' own planning code, nothing re-implemented)."""
@@ -83,6 +113,7 @@ def plan(hugepages: str, hugepage_size: object, need: int) -> dict[str, Any]:
         "need_bytes": need,
         "backend": backend,
         "populate": _choose_populate("auto", fd_backed=True),
+        "thp_choice": thp_choices(need),
     }
     problems: list[str] = []
     try:

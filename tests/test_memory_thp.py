@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 from hostpool import MmapHostTensorAllocator
 from hostpool.memory import kernel, thp
 from hostpool.memory.hugepages import thp_choice
+from tests import helpers
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -121,3 +123,29 @@ def test_mmap_prefer_takes_this_hosts_choice(no_leaked_fds: None) -> None:
     assert ("nh" in flags) == choice.avoid
     alloc.close()
     del t
+
+
+def test_doctor_explains_the_choice() -> None:
+    """`hostpool doctor` shows the allocators' own choice for both kinds, with the cause."""
+    need = 256 * MiB
+    facts = thp.read_facts()
+    proc = helpers.run_python(
+        "from hostpool.cli import main; raise SystemExit(main(['doctor', '--json', "
+        "'--hugepages', 'off', '--need', '256MiB']))"
+    )
+    report = json.loads(proc.stdout)
+    for kind in ("shm", "mmap"):
+        choice = thp_choice(kind, need, facts)  # type: ignore[arg-type]
+        shown = report["plan"]["thp_choice"][kind]
+        assert (shown["advise"], shown["reason"], shown["why"]) == (
+            choice.advise,
+            choice.reason,
+            choice.why,
+        )
+    assert report["host"]["thp"]["defrag"] == facts.defrag
+    text = helpers.run_python(
+        "from hostpool.cli import main; raise SystemExit(main(['doctor', '--hugepages', 'off', "
+        "'--need', '256MiB']))"
+    ).stdout
+    mmap_line = next(line for line in text.splitlines() if line.startswith("THP for mmap"))
+    assert thp_choice("mmap", need, facts).why in mmap_line

@@ -39,6 +39,18 @@ def _cgroup(memory: dict[str, Any] | None) -> str:
     )
 
 
+def _reporting(order: int | None) -> str:
+    return "off" if order is None else f"from order {order} ({format_size(4096 << order)})"
+
+
+def _thp(choice: dict[str, Any]) -> str:
+    """What hugepages="prefer" does for this kind once hugetlb is out, and why."""
+    if choice["advise"]:
+        return f"MADV_HUGEPAGE ({choice['why']})"
+    pages = "4 KiB pages, MADV_NOHUGEPAGE" if choice["avoid"] else "4 KiB pages"
+    return f"{pages}, reason {choice['reason']}: {choice['why']}"
+
+
 def run(args: argparse.Namespace) -> int:
     from hostpool.doctor import facts, plan
 
@@ -63,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
         )
     lines += [
         f"shmem THP            {host['thp']['shmem_enabled']}",
+        f"anonymous THP        {host['thp']['enabled']}, defrag {host['thp']['defrag']}, "
+        f"{format_size(host['thp']['free_hugepage_bytes'])} in free 2 MiB blocks, page "
+        f"reporting {_reporting(host['thp']['reporting_order'])}",
         f"/dev/shm             {format_size(host['dev_shm']['free_bytes'])} free of "
         f"{format_size(host['dev_shm']['size_bytes'])}",
         f"RLIMIT_NOFILE        {_count(host['rlimits']['nofile']['soft'])} (hard "
@@ -75,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         f"{format_size(chosen['page_size']) if 'page_size' in chosen else '-'}"
         + (f", fallbacks {', '.join(chosen['fallbacks'])}" if chosen.get("fallbacks") else ""),
     ]
+    for kind, choice in chosen["thp_choice"].items():
+        lines.append(f"THP for {kind:<13}{_thp(choice)}")
     lines += [f"PROBLEM: {p}" for p in chosen["problems"]]
     print("\n".join(lines))
     return 0 if chosen["ok"] else 1
