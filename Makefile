@@ -53,7 +53,7 @@ bench: $(STAMP)
 
 soak: $(STAMP)
 	HOSTPOOL_SOAK=1 $(PY) -m pytest tests/reliability -q
-	$(PY) bench/report.py --only soak
+	$(PY) bench/report.py --only soak --only procfs-attacks
 
 dashboards: $(STAMP)
 	$(PY) dashboards/build.py

@@ -200,6 +200,50 @@ def first_alloc(data: dict[str, Any], _ctx: Any) -> str:
     )
 
 
+def procfs_attacks(data: dict[str, Any], _ctx: Any) -> str:
+    """The /proc readers' attack tests (tests/reliability/test_procfs_*.py)."""
+    attacks = data["attacks"]
+    lines = [
+        "Last run (`HOSTPOOL_RECORD_RESULTS=1 pytest tests/reliability/test_procfs_*.py`, "
+        f"or `make soak`; Linux {data['kernel']}):",
+        "",
+    ]
+    forks = attacks.get("fork_loops")
+    if forks:
+        lines.append(
+            f"- processes exiting mid-read ({forks['date'][:10]}): {forks['loops']} fork loops "
+            f"ran {forks['forks']:,} short-lived memfd holders in {forks['seconds']:.0f} s while "
+            f"the exporter answered {forks['scrapes']:,} scrapes ({forks['failed_scrapes']} "
+            f"failed, slowest {forks['slowest_scrape_s']:.2f} s) and {forks['in_process_scans']:,} "
+            "scans ran in the test itself;"
+        )
+    cardinality = attacks.get("cardinality")
+    if cardinality:
+        lines.append(
+            f"- cardinality ({cardinality['date'][:10]}): uid {cardinality['attacker_uid']} "
+            f"named {cardinality['memfds']:,} memfds `hostpool.p<N>.1.1`; the root exporter "
+            f"served {cardinality['series']} `hostpool_exporter_*` series (cap "
+            f"{cardinality['max_pools']} pools per prefix), "
+            f'{cardinality["pools_folded"]:,} pools folded into `pool="_other"`;'
+        )
+    advice = attacks.get("permission_advice")
+    if advice:
+        lines.append(
+            f"- permission advice ({advice['date'][:10]}): the missing piece named for "
+            + "; ".join(advice["causes_explained"])
+            + ";"
+        )
+    forged = attacks.get("forged_output")
+    if forged:
+        lines.append(
+            f"- forged output ({forged['date'][:10]}): {forged['names']} hostile memfd names "
+            f"and a hostile command name through {', '.join(forged['outputs'])}: "
+            f"{forged['raw_control_characters']} raw control characters, "
+            f"{forged['forged_lines']} forged lines."
+        )
+    return "\n".join(lines)
+
+
 TABLES = {
     "first_alloc": first_alloc,
     "overhead": overhead,
@@ -209,4 +253,5 @@ TABLES = {
     "soak": soak,
     "http-flood": http_flood,
     "share-attacks": share_attacks,
+    "procfs-attacks": procfs_attacks,
 }

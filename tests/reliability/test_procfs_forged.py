@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,7 @@ from hostpool.testing import ShmLeakError, assert_no_leaks
 from hostpool.textsafe import field, printable
 from tests import helpers
 from tests.exporting import running_exporter
+from tests.reliability.procfs_results import record
 
 FORGED_LINE = (
     "pool prefix=hostpool. pool=FAKE objects=999 fds=1 mappings=1 mapped=1TiB "
@@ -57,16 +59,38 @@ def hostpool(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def assert_no_control_characters(text: str) -> None:
-    bad = {ch for line in text.splitlines() for ch in line if not ch.isprintable()}
-    assert not bad, f"raw control characters reached the output: {bad!r}"
+_totals: dict[str, Any] = {"outputs": [], "raw": 0, "forged": 0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def record_totals() -> Iterator[None]:
+    yield
+    record(
+        "forged_output",
+        names=len(EVIL_NAMES),
+        outputs=_totals["outputs"],
+        raw_control_characters=_totals["raw"],
+        forged_lines=_totals["forged"],
+    )
+
+
+def checked(output: str, text: str) -> None:
+    """No raw control character and no line that starts with text from inside a name."""
+    lines = text.splitlines()
+    bad = [ch for line in lines for ch in line if not ch.isprintable()]
+    forged = [line for line in lines if line.startswith((FORGED_LINE[:30], "y=1"))]
+    _totals["outputs"].append(output)
+    _totals["raw"] += len(bad)
+    _totals["forged"] += len(forged)
+    assert not bad, f"raw control characters reached the output: {set(bad)!r}"
+    assert not forged, forged
 
 
 def test_inspect_plain_lines_cannot_be_forged(evil_child: subprocess.Popen[str]) -> None:
     result = hostpool("inspect", str(evil_child.pid))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert_no_control_characters(result.stdout)
+    checked("inspect (plain)", result.stdout)
     # a process line, one pool line (all three objects are pool "-"), a finding per name
     assert [line.split()[0] for line in lines] == ["process", "pool", *["finding"] * 3]
     assert not any("pool=FAKE" in line.split(" name=")[0] for line in lines)
@@ -89,7 +113,7 @@ def test_inspect_table_sends_no_escape_sequence_to_the_terminal(
 ) -> None:
     code, text = helpers.hostpool_on_tty("inspect", str(evil_child.pid))
     assert code == 0
-    assert_no_control_characters(text.replace("\r\n", "\n"))
+    checked("inspect (table on a TTY)", text.replace("\r\n", "\n"))
     assert not any(line.startswith(("pool prefix=", "y=1")) for line in text.splitlines())
     assert text.startswith(f"pid {evil_child.pid} ({printable(EVIL_COMMAND)}) at ")
     for name in EVIL_NAMES:
@@ -113,7 +137,7 @@ def test_the_leak_report_escapes_names() -> None:
         for fd in fds:
             os.close(fd)
     report = str(caught.value)
-    assert_no_control_characters(report)
+    checked("the leak report", report)
     lines = report.splitlines()
     assert lines[0] == "3 shared-memory object(s) leaked:"
     assert len(lines) == 4 and not any(line.startswith("pool prefix=") for line in lines)
@@ -145,6 +169,7 @@ def test_the_exporter_log_line_escapes_the_command_name(
         os.close(leader)
     # the console renderer colours fields with SGR sequences of its own: drop those
     line = re.sub(r"\x1b\[[0-9;]*m", "", first.decode(errors="replace").rstrip("\r\n"))
-    assert "command=" in line and "\x1b" not in line, repr(line)
+    checked("the exporter's log (console on a TTY)", line)
+    assert "command=" in line, repr(line)
     assert "x1b[2Jx" in line and "y=1" in line  # escaped, and on the same line
     assert "Traceback" not in log
