@@ -45,7 +45,12 @@ os.register_at_fork(before=_before_fork)
 def emit(event: str, level: int = logging.INFO, **fields: Any) -> None:
     """Emit `event` (a dotted name such as `hostpool.alloc`) with key-value fields."""
     if stdlib_logger.isEnabledFor(level):
-        _structlog().log(level, event, **fields)
+        try:
+            log = _structlog()
+        except OSError:  # importing needs fds: at RLIMIT_NOFILE, say it the plain way
+            stdlib_logger.log(level, "%s %s", event, fields)
+            return
+        log.log(level, event, **fields)
 
 
 def debug(event: str, **fields: Any) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from hostpool import AllocationError, HostPoolManager
+from hostpool import AllocationError, HostPoolManager, ShmHostTensorAllocator
 from hostpool.memory import kernel
 from tests import helpers
 
@@ -161,3 +163,222 @@ def test_collected_and_shared_bytes_come_back_to_the_budget() -> None:
         t = alloc.allocate((6 * MiB,), torch.uint8)
         alloc.close()
         del t
+
+
+def _race(alloc: Any, threads: int) -> tuple[list[torch.Tensor], list[str]]:
+    """`threads` threads each ask for 1 MiB at once; what was admitted and refused."""
+    barrier = threading.Barrier(threads)
+    kept: list[torch.Tensor] = []
+    refused: list[str] = []
+    lock = threading.Lock()
+
+    def grab() -> None:
+        barrier.wait()
+        try:
+            t = alloc.allocate((MiB,), torch.uint8)
+        except AllocationError as exc:
+            with lock:
+                refused.append(exc.reason)
+            return
+        with lock:
+            kept.append(t)
+
+    workers = [threading.Thread(target=grab) for _ in range(threads)]
+    for th in workers:
+        th.start()
+    for th in workers:
+        th.join()
+    return kept, refused
+
+
+def test_exactly_as_many_as_fit_are_admitted() -> None:
+    """16 threads x 1 MiB against 4 MiB, many rounds: 4 admitted every time (a region is
+    never counted both held and in flight)."""
+    rounds = 40
+    with HostPoolManager(budget=4 * MiB) as manager:
+        alloc = manager.allocator("exactfit", "mmap", populate="none")
+        for _ in range(rounds):
+            kept, refused = _race(alloc, 16)
+            assert (len(kept), refused) == (4, ["budget"] * 12)
+            while kept:
+                alloc.release(kept.pop())  # the last view goes with it: unmapped now
+        assert manager.budget_reserved_bytes == 0
+
+
+def test_hugetlb_requests_are_held_to_the_explicit_budget(hugepages_2m: int) -> None:
+    with HostPoolManager(budget=4 * MiB) as manager:
+        alloc = manager.allocator("hugeexplicit", hugepages="prefer")
+        with pytest.raises(AllocationError) as exc:
+            alloc.allocate((8 * MiB,), torch.uint8)
+        assert exc.value.reason == "budget" and "explicit budget" in str(exc.value)
+        assert alloc.regions == []
+
+
+def _v2_hugetlb_group() -> str:
+    unified = "/sys/fs/cgroup/unified"
+    if not os.path.exists(os.path.join(unified, "cgroup.controllers")):
+        unified = "/sys/fs/cgroup"
+    with open(os.path.join(unified, "cgroup.controllers")) as f:
+        if "hugetlb" not in f.read().split():
+            pytest.skip("no hugetlb controller in the v2 hierarchy")
+    with open(os.path.join(unified, "cgroup.subtree_control"), "w") as f:
+        f.write("+hugetlb")
+    return unified
+
+
+def test_a_hugepage_fallback_is_admitted_like_any_request(hugepages_2m: int) -> None:
+    """hugetlb refused (a hugetlb cgroup limit): `prefer` falls back to normal pages, and
+    that fallback meets the budget too."""
+    unified = _v2_hugetlb_group()
+    group = os.path.join(unified, f"hostpool-fallback-{os.getpid()}")
+    os.mkdir(group)
+    try:
+        with open(os.path.join(group, "hugetlb.2MB.max"), "w") as f:
+            f.write("0")
+        proc = helpers.run_python(
+            f"""
+            import os, torch
+            with open({os.path.join(group, "cgroup.procs")!r}, "w") as f:
+                f.write(str(os.getpid()))
+            from hostpool import HostPoolManager, AllocationError
+            from hostpool.lifecycle import get_ledger
+            with HostPoolManager(budget=8 << 20) as m:
+                a = m.allocator("fb", hugepages="prefer")
+                try:
+                    a.allocate((16 << 20,), torch.uint8)
+                    print("over budget?!")
+                except AllocationError as e:
+                    print("refused", e.reason)
+                t = a.allocate((4 << 20,), torch.uint8)
+                print("page", a.regions[0].page_size, a.regions[0].hugepage_fallbacks)
+                a.close()
+                del t
+            print("fallbacks", get_ledger().counters()["fallbacks_total"])
+            """,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "refused budget" in proc.stdout
+        assert "page 4096 ('hugetlb_pool_short'" in proc.stdout
+    finally:
+        os.rmdir(group)
+
+
+def _v1_memory_group(limit: int) -> str:
+    own = None
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.strip().split(":", 2)
+            if "memory" in controllers.split(","):
+                own = path
+    base = f"/sys/fs/cgroup/memory{own}" if own is not None else None
+    if base is None or not os.path.isdir(base):
+        pytest.skip("no cgroup v1 memory controller here")
+    group = os.path.join(base, f"hostpool-plain-{os.getpid()}")
+    os.mkdir(group)
+    with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
+        f.write(str(limit))
+    return group
+
+
+def test_every_allocation_path_meets_the_cgroup_it_is_in_now(root: None) -> None:
+    """Plain allocators, alloc_shm, and a manager whose process moved after its first
+    allocation: 256 MiB inside a 128 MiB cgroup v1 limit is a typed error, not OOM."""
+    group = _v1_memory_group(128 * MiB)
+    try:
+        proc = helpers.run_python(
+            f"""
+            import os, torch
+            from hostpool import (AllocationError, HostPoolManager, ShmHostTensorAllocator,
+                                  MmapHostTensorAllocator, alloc_shm)
+            from tests import helpers
+            m = HostPoolManager()
+            kv = m.allocator("moved")
+            first = kv.allocate((MiB := 1 << 20,), torch.uint8)  # before the move
+            with open({os.path.join(group, "cgroup.procs")!r}, "w") as f:
+                f.write(str(os.getpid()))
+            big = (256 << 20,)
+            for name, call in (
+                ("shm", lambda: ShmHostTensorAllocator("cgplain").allocate(big, torch.uint8)),
+                ("mmap", lambda: MmapHostTensorAllocator("cgplain").allocate(big, torch.uint8)),
+                ("alloc_shm", lambda: alloc_shm(big, torch.uint8, pool="cgplain")),
+                ("manager", lambda: kv.allocate(big, torch.uint8)),
+            ):
+                try:
+                    call()
+                    print(name, "allocated?!")
+                except AllocationError as e:
+                    print(name, e.reason, "memory.limit_in_bytes" in str(e))
+            m.close()
+            del first
+            assert helpers.fd_links() == {{}}
+            """,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+        lines = proc.stdout.split("\\n")
+        for expected in (
+            "shm no_memory True",
+            "mmap no_memory True",
+            "alloc_shm no_memory True",
+            "manager budget True",
+        ):
+            assert expected in proc.stdout, (expected, lines)
+    finally:
+        os.rmdir(group)
+
+
+def test_no_free_fds_is_fd_limit_counted_never_a_raw_oserror() -> None:
+    proc = helpers.run_python(
+        """
+        import os, resource, torch
+        from hostpool import AllocationError, HostPoolManager
+        from hostpool.lifecycle import get_ledger
+        m = HostPoolManager()
+        a = m.allocator("nofds")
+        a.release(a.allocate((4096,), torch.uint8))  # warm: imports and probes
+        highest = max(int(n) for n in os.listdir("/proc/self/fd"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
+        fillers = []
+        try:
+            while True:
+                fillers.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass  # every number below the limit is taken now
+        for what, call in (
+            ("alloc", lambda: a.allocate((4096,), torch.uint8)),
+            ("new", lambda: HostPoolManager().allocator("nofds").allocate((4096,), torch.uint8)),
+        ):
+            try:
+                call()
+                print(what, "allocated?!")
+            except AllocationError as e:
+                print(what, e.reason)
+        for fd in fillers:
+            os.close(fd)
+        print("counted", get_ledger().counters()["failures_total"].get(("nofds", "fd_limit"), 0))
+        """,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "alloc fd_limit" in proc.stdout and "new fd_limit" in proc.stdout
+    assert "counted 2" in proc.stdout
+
+
+def test_a_full_tmpfs_under_populate_auto_is_no_space(root: None, tmp_path: Path) -> None:
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if os.system(f"mount -t tmpfs -o size=4m tmpfs {mnt}") != 0:
+        pytest.skip("cannot mount tmpfs")
+    try:
+        fds, maps = helpers.fd_links(), len(helpers.maps_lines("hostpool."))
+        alloc = ShmHostTensorAllocator("fulltmpfs", shm_backend="devshm", fallback_dir=str(mnt))
+        with pytest.raises(AllocationError) as exc:
+            alloc.allocate((16 * MiB,), torch.uint8)  # populate="auto": MADV, EFAULT
+        assert exc.value.reason == "no_space", str(exc.value)
+        assert "tmpfs" in str(exc.value)
+        _nothing_mapped_since(fds, maps)
+        assert os.listdir(mnt) == []
+    finally:
+        os.system(f"umount {mnt}")
