@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from tests.reliability.procfs_results import record
+from tests.reliability.results import record_procfs_attack as record
 
 GENERIC = "run as the process's user or as root"
 NO_PTRACE = ["setpriv", "--bounding-set", "-sys_ptrace", "--inh-caps", "-sys_ptrace", "--"]

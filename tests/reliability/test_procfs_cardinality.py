@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import pytest
 
 from tests.exporting import running_exporter, scrape, value
-from tests.reliability.procfs_results import record
+from tests.reliability.results import record_procfs_attack as record
 
 MEMFDS = 2000
 MAX_POOLS = 32  # the exporter's default

@@ -19,7 +19,7 @@ from hostpool.testing import ShmLeakError, assert_no_leaks
 from hostpool.textsafe import field, printable
 from tests import helpers
 from tests.exporting import running_exporter
-from tests.reliability.procfs_results import record
+from tests.reliability.results import record_procfs_attack as record
 
 FORGED_LINE = (
     "pool prefix=hostpool. pool=FAKE objects=999 fds=1 mappings=1 mapped=1TiB "

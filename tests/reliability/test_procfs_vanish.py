@@ -13,7 +13,8 @@ import urllib.error
 from hostpool import procgroup
 from tests import helpers
 from tests.exporting import running_exporter, scrape, value
-from tests.reliability.procfs_results import RECORD, record
+from tests.reliability.results import RECORD
+from tests.reliability.results import record_procfs_attack as record
 
 SECONDS = 60.0 if RECORD else 8.0  # the README figure comes from the long run
 
