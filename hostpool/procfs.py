@@ -15,7 +15,9 @@ Names: `<prefix><pool>.<pid>.<seq>[.<random>]` (hostpool, and hostpool's sglang
 compatibility prefix). sglang's own raw names (`sglang_host_pool_<hex>[.mmap]`) carry no
 pool: they are grouped under pool `-`.
 
-psutil is imported lazily (it costs ~15 ms): the leak check reads /proc/self only.
+A process that exits while it is read raises ProcessNotFoundError from any step (ENOENT
+or ESRCH); scans skip it. Names are returned as /proc shows them (undecodable bytes as
+surrogate escapes): printing them is the presentation's job (`hostpool.textsafe`).
 """
 
 from __future__ import annotations
