@@ -26,6 +26,7 @@ from tests.sglang import pools
 from tests.sglang.cpu_import import load_sglang
 
 ROOT = Path(__file__).resolve().parents[2]
+PAGE = mmap.PAGESIZE
 COMMON = "sglang.srt.mem_cache.pool_host.common"
 
 
@@ -135,38 +136,77 @@ def test_install_twice_is_a_no_op_and_uninstall_restores_sglang_exactly(sglang: 
 
 
 # -- real host pools -----------------------------------------------------------------------
-@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
-def test_mha_pool_on_memfds_under_its_label(sglang: Any, layout: str, no_leaked_fds: None) -> None:
-    label = f"mha_{layout}"
+KINDS = [
+    "mha:layer_first",
+    "mha:page_first",
+    "mha:page_first_direct",
+    "mha:page_head",
+    "mla:layer_first",
+    "mla:page_first",
+    "mla:page_first_direct",
+    "mla_split",
+    "mamba",
+]
+
+
+def _label(kind: str) -> str:
+    return "mamba" if kind == "mamba" else kind.replace(":", "_")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_host_pool_on_memfds_under_its_label(sglang: Any, kind: str, no_leaked_fds: None) -> None:
+    label = _label(kind)
     before = _pool_bytes(label)
-    pool = pools.mha(layout, "shm", label)
+    released_before = _releases(label).get("explicit", 0)
+    pool = pools.build(kind, "shm", label)
     bufs = pools.buffers(pool)
     asked = sum(b.numel() * b.element_size() for b in bufs)
     records = _records(label)
     assert [r.backend for r in records] == ["memfd"] * len(bufs)
     assert all(r.name.startswith(f"hostpool.{label}.") for r in records)
+    assert [r.requested_bytes for r in records] == [b.numel() * b.element_size() for b in bufs]
+    # The gauge moves by what was mapped: exactly the bytes sglang asked for, in pages.
+    assert [r.mapped_bytes for r in records] == [
+        -(-r.requested_bytes // PAGE) * PAGE for r in records
+    ]
+    assert _pool_bytes(label) - before == sum(r.mapped_bytes for r in records)
     assert sum(r.requested_bytes for r in records) == asked
-    assert _pool_bytes(label) - before == asked  # sizes here are whole pages
-    # sglang's fd is the first of its fds and names the buffer's memfd.
-    assert pool.fd == pool.allocator.fds[0] == records[0].fd
-    assert os.readlink(f"/proc/self/fd/{pool.fd}") == f"/memfd:{records[0].name} (deleted)"
+    # sglang's fd is the first of its fds and names the first buffer's memfd.
+    assert pool.allocator.fd == pool.allocator.fds[0] == records[0].fd
+    assert [r.fd for r in records] == pool.allocator.fds
+    assert os.readlink(f"/proc/self/fd/{records[0].fd}") == f"/memfd:{records[0].name} (deleted)"
 
-    # A page written through sglang's own API is in the memfd.
-    page = torch.arange(pool.get_dummy_flat_data_page().numel(), dtype=torch.float32) + 1
-    pool.set_from_flat_data_page(1, page)
-    assert torch.equal(pool.get_data_page(1).flatten(), page)
-    with mmap.mmap(pool.fd, records[0].mapped_bytes, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
-        seen = torch.frombuffer(bytearray(mm), dtype=torch.float32)
-    assert torch.equal(seen[: bufs[0].numel()], bufs[0].flatten())
-    assert int(seen.count_nonzero()) == page.numel()
+    # A page written through sglang's own API (the split MLA layout has none on CPU:
+    # written through its host buffer) is in the memfds.
+    try:
+        dummy = pool.get_dummy_flat_data_page()
+        page = (torch.arange(dummy.numel()) % 251 + 1).to(dummy.dtype)
+        pool.set_from_flat_data_page(1, page)
+        assert torch.equal(pool.get_data_page(1).flatten(), page)
+        written = int(page.view(torch.uint8).count_nonzero())
+    except ValueError:
+        assert kind == "mla_split"
+        bufs[0][1].fill_(1.0)
+        written = int(bufs[0][1].contiguous().view(torch.uint8).count_nonzero())
+    nonzero = 0
+    for buf, record in zip(bufs, records, strict=True):
+        with mmap.mmap(record.fd, record.mapped_bytes, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+            seen = torch.frombuffer(bytearray(mm), dtype=torch.uint8)
+        assert torch.equal(
+            seen[: buf.numel() * buf.element_size()], buf.flatten().view(torch.uint8)
+        )
+        nonzero += int(seen.count_nonzero())
+    assert nonzero == written
 
     addresses = [(r.address, r.mapped_bytes) for r in records]
     pool.destroy()
-    del pool, bufs, records
+    del pool, bufs, records, seen, buf, record
     gc.collect()
     assert _records(label) == []
     assert _pool_bytes(label) == before
-    assert _releases(label) == {"explicit": 1}
+    released = _releases(label)
+    assert released.get("explicit", 0) - released_before == len(addresses)
+    assert "finalizer" not in released
     for address, length in addresses:
         assert not helpers.range_mapped(address, length)
 
