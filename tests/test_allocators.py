@@ -279,3 +279,20 @@ def test_alloc_shm_mm_close_is_an_explicit_release(no_leaked_fds: None) -> None:
     assert list(helpers.fd_links("hostpool.mmclose.")) == [fd]  # only the caller's dup
     os.close(fd)
     del mm
+
+
+def test_retaining_shm_allocator_keeps_fds_for_its_life(no_leaked_fds: None) -> None:
+    """sglang's semantics (issue 15): its allocator's fds stay valid while it lives,
+    `fd` is the first; close() releases them explicitly."""
+    alloc = ShmHostTensorAllocator("retained", retain=True)
+    first = alloc.allocate((64, 1024), torch.float16)
+    alloc.allocate((64, 1024), torch.float16)  # dropped at once
+    fds = alloc.fds
+    assert len(fds) == 2 and alloc.fd == fds[0]
+    del first
+    gc.collect()
+    assert alloc.fds == fds
+    for fd in fds:
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:hostpool.retained.")
+    alloc.close()
+    assert alloc.fds == [] and alloc.regions == []
