@@ -230,3 +230,87 @@ def test_multiprocess_workers_sum_and_vanish(tmp_path: os.PathLike[str]) -> None
     assert alive.stdin is not None
     alive.stdin.close()
     alive.wait(timeout=30)
+
+
+def _meminfo_total() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no MemTotal")
+
+
+def test_budget_gauge_is_one_series_per_limit_never_above_the_host() -> None:
+    from hostpool.budget import LIMITS
+
+    registry = CollectorRegistry()
+    register_metrics(registry)
+    total = _meminfo_total()
+    with HostPoolManager() as a, HostPoolManager() as b, HostPoolManager() as c:
+        # three managers without a budget: nothing adds up
+        kept = [m.allocator("nobudget").allocate((MiB,), torch.uint8) for m in (a, b, c)]
+        samples = _samples(registry)
+        series = {lab["limit"]: v for lab, v in samples["hostpool_budget_bytes"]}
+        assert set(series) <= set(LIMITS) and "memavailable" in series
+        assert "configured" not in series  # no manager configured one
+        assert all(0 < v <= total for v in series.values()), series
+        reserved = _value(samples, "hostpool_budget_reserved_bytes")
+        assert reserved >= 3 * MiB
+        with HostPoolManager(budget=64 * MiB) as d:
+            kept.append(d.allocator("withbudget").allocate((2 * MiB,), torch.uint8))
+            samples = _samples(registry)
+            series = {lab["limit"]: v for lab, v in samples["hostpool_budget_bytes"]}
+            assert series["configured"] == 64 * MiB
+            view = d.budget_view()  # what /debug/pools shows
+            # Read a moment apart: MemAvailable moves, the set of limits and budgets do not.
+            assert set(view.limits) == set(series)
+            assert view.limits["configured"] == series["configured"]
+            assert view.binding == "configured"
+            assert view.reserved == _value(samples, "hostpool_budget_reserved_bytes")
+        kept.clear()
+
+
+PUBLISHER = """
+import os, sys, time, torch
+from hostpool import HostPoolManager
+from hostpool.lifecycle import get_ledger
+from hostpool.multiprocess import MultiprocessPublisher
+m = HostPoolManager()
+kv = m.allocator("timed", "mmap")
+kept = [kv.allocate(((1 << 20) * (i + 1),), torch.uint8) for i in range(6)]
+MultiprocessPublisher(interval=3600).start()  # only the publish at start can count
+counts, total = get_ledger().counters()["durations"]["timed"]
+print(repr(total), sum(counts), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_multiprocess_publishes_at_start_with_the_true_duration_sum(
+    tmp_path: os.PathLike[str],
+) -> None:
+    from prometheus_client import multiprocess
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": os.fspath(tmp_path)}
+    worker = subprocess.Popen(
+        [sys.executable, "-c", PUBLISHER],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.stdout is not None
+        total_text, count_text = worker.stdout.readline().split()
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=os.fspath(tmp_path))
+        samples = _samples(registry)
+        assert _value(samples, "hostpool_allocated_bytes", pool="timed") == 21 * MiB
+        count = _value(samples, "hostpool_allocation_duration_seconds_count", pool="timed")
+        published = _value(samples, "hostpool_allocation_duration_seconds_sum", pool="timed")
+        assert count == int(count_text) == 6
+        assert published == pytest.approx(float(total_text), rel=1e-9)
+    finally:
+        assert worker.stdin is not None
+        worker.stdin.close()
+        worker.wait(timeout=30)
