@@ -66,6 +66,58 @@ def shmem_bytes() -> int:
     raise AssertionError("no Shmem in /proc/meminfo")
 
 
+def _descendants(root: int) -> list[int]:
+    """`root` and every process below it, from each /proc/PID/stat's parent pid."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def tree_shmem_bytes(root: int | None = None) -> int:
+    """Shared memory this process and its descendants hold, not the host's: mapped
+    (RssShmem) plus shm files held only by fd (st_blocks), each inode once.
+
+    Host-wide Shmem moves with every other process on the host (other tests, other
+    users), so a check against it fails for reasons that are not the test's.
+    """
+    total = 0
+    held: dict[tuple[int, int], int] = {}
+    for pid in _descendants(os.getpid() if root is None else root):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("RssShmem:"):
+                        total += int(line.split()[1]) * 1024
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            path = f"/proc/{pid}/fd/{fd}"
+            try:
+                target = os.readlink(path)
+                if not (target.startswith("/memfd:") or target.startswith("/dev/shm/")):
+                    continue
+                st = os.stat(path)
+            except OSError:
+                continue
+            held[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+    return total + sum(held.values())
+
+
 @contextlib.contextmanager
 def reserved_hugepages(count: int) -> Iterator[int]:
     """Reserve `count` 2 MiB hugepages (root), yield how many the kernel gave, restore."""

@@ -17,7 +17,7 @@ import torch
 
 from hostpool import AllocationError, HostPoolManager
 from hostpool.budget import BudgetPolicy
-from hostpool.pools.hostbudget import HostBudget
+from hostpool.integrations.hostbudget import HostBudget
 
 MiB = 1 << 20
 LIMIT = 256 * MiB
@@ -28,7 +28,7 @@ RANK = textwrap.dedent(
     """
     import sys, torch
     from hostpool import AllocationError, HostPoolManager
-    from hostpool.pools.hostbudget import HostBudget
+    from hostpool.integrations.hostbudget import HostBudget
     manager = HostPoolManager(budget=HostBudget({limit}, {directory!r}))
     allocator = manager.allocator("kv", "shm")
     print("ready", flush=True)
@@ -111,16 +111,18 @@ def test_four_ranks_share_256mib_then_a_killed_holder_frees_its_share(
 FORKER = textwrap.dedent(
     """
     import os, sys, time
-    from hostpool.pools.hostbudget import HostBudget
+    from hostpool.integrations.hostbudget import HostBudget
     budget = HostBudget({limit}, {directory!r})
     budget.admit({need}, 0)
+    ready_r, ready_w = os.pipe()
     child = os.fork()
     if child == 0:
-        # the fork hook has run by now: say so, so the test kills the parent only then
-        print("child-ready", flush=True)
+        # the fork hook has run by now: tell the parent (never stdout: one writer there)
+        os.write(ready_w, b"1")
         time.sleep(60)
         os._exit(0)
-    print(child, flush=True)
+    os.read(ready_r, 1)
+    print(child, flush=True)  # only once the child is ready: the test may kill us then
     time.sleep(60)
     """
 )
@@ -132,9 +134,7 @@ def test_a_forked_child_does_not_keep_a_killed_parents_reservation(tmp_path: Pat
     child = 0
     try:
         assert parent.stdout is not None
-        lines = {parent.stdout.readline().strip() for _ in range(2)}
-        assert "child-ready" in lines
-        child = int(next(x for x in lines if x != "child-ready"))
+        child = int(parent.stdout.readline())
         observer = HostBudget(LIMIT, tmp_path)
         assert observer.reserved_bytes() == 100 * MiB
         parent.send_signal(signal.SIGKILL)

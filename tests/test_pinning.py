@@ -59,10 +59,22 @@ def test_dropped_pinned_region_is_unregistered_before_unmap(fake_cuda: helpers.F
     assert fake_cuda.problems == []  # the fake checked /proc/self/maps at each unregister
 
 
+class NoCuda(helpers.FakeCuda):
+    """A runtime without CUDA, whatever the machine has (a GPU runner included)."""
+
+    def available(self) -> bool:
+        return False
+
+
 def test_pin_without_cuda_is_a_noop(no_leaked_fds: None) -> None:
-    assert not cuda.get_runtime().available()  # this torch has no CUDA
-    alloc = ShmHostTensorAllocator("nocuda", pin=True)
-    t = alloc.allocate((MiB,), torch.uint8)
-    assert alloc.regions[0].pinned_bytes == 0
-    alloc.close()
-    del t
+    runtime = NoCuda()
+    previous = cuda.set_runtime(runtime)
+    try:
+        alloc = ShmHostTensorAllocator("nocuda", pin=True)
+        t = alloc.allocate((MiB,), torch.uint8)
+        assert alloc.regions[0].pinned_bytes == 0
+        assert runtime.attempts == 0 and runtime.log == []
+        alloc.close()
+        del t
+    finally:
+        cuda.set_runtime(previous)
