@@ -231,11 +231,18 @@ def test_dropping_a_pool_without_destroy_is_a_finalizer_release_through_the_ledg
     leaving regions live with fd=None and no release counted."""
     pool = pools.mha("layer_first", "shm", "mha_dropped")
     allocator = pool.allocator
-    assert len(allocator.fds) == 1
-    del pool, allocator
-    gc.collect()
-    assert _records("mha_dropped") == []
-    assert _releases("mha_dropped") == {"finalizer": 1}
+    (fd,) = allocator.fds
+    skips = sum(get_ledger().fd_reuse_skips.values())
+    with structlog.testing.capture_logs() as logs:
+        del pool, allocator
+        gc.collect()
+        assert _records("mha_dropped") == []
+        assert _releases("mha_dropped") == {"finalizer": 1}
+    # The ledger closed its own fd: nobody closed it behind its back first.
+    assert sum(get_ledger().fd_reuse_skips.values()) == skips
+    assert [e for e in logs if "reuse" in e["event"]] == []
+    with pytest.raises(OSError):
+        os.fstat(fd)
 
 
 def test_alloc_shm_replacement_hands_the_caller_its_own_fd(
@@ -252,6 +259,24 @@ def test_alloc_shm_replacement_hands_the_caller_its_own_fd(
         os.close(fd)
         mm.close()
         del tensor
+
+
+@pytest.mark.parametrize(
+    "allocator_type", [None, "", "default", "shm", "mooncake", "mori", "tensorcast", "file", 3]
+)
+def test_get_allocator_from_storage_answers_like_sglang(sglang: Any, allocator_type: Any) -> None:
+    """Same dispatch, fallbacks and errors (mooncake and mori are not installed: sglang
+    falls back to its default; tensorcast needs sglang's runtime config: both raise)."""
+    ours = sys.modules[COMMON].get_allocator_from_storage
+    try:
+        theirs = ours.__wrapped__(allocator_type)
+    except Exception as exc:
+        with pytest.raises(type(exc)):
+            ours(allocator_type)
+        return
+    got = ours(allocator_type)
+    assert type(got) is type(theirs)
+    assert isinstance(got, sglang_base_allocator())
 
 
 # -- get_allocator_type: sglang's answers -------------------------------------------------
