@@ -10,7 +10,6 @@ request that is closed never runs the application (no scrape for it).
 from __future__ import annotations
 
 import json
-import os
 import re
 import resource
 import selectors
@@ -29,13 +28,13 @@ from typing import Any
 
 import pytest
 
+from tests.reliability.results import record
+
 ROOT = Path(__file__).resolve().parents[2]
 NOFILE = 1024
 HALF_OPEN = 1020
 SCRAPES = 20
 PARTIAL = b"GET /metrics HTTP/1.1\r\nHost: flood\r\n"  # no blank line: never complete
-RESULTS = ROOT / "bench" / "results" / "http-flood.json"
-RECORD = os.environ.get("HOSTPOOL_SOAK") == "1" or os.environ.get("HOSTPOOL_RECORD_RESULTS") == "1"
 
 COMMANDS = {
     "serve": ["serve", "--port", "0", "--pool", "kv=2MiB"],
@@ -191,7 +190,9 @@ def test_half_open_flood_under_ulimit_1024(tmp_path: Path, command: str) -> None
     assert ran == SCRAPES, ran
     assert "Traceback" not in log and "exc_info" not in log and "exception" not in log
     assert "hostpool.http_connections_closed" in log, "the server never closed a flood connection"
-    _record(
+    record(
+        "http-flood",
+        "servers",
         command,
         half_open_held=HALF_OPEN,
         half_open_held_median=flood["held_median"],
@@ -203,21 +204,6 @@ def test_half_open_flood_under_ulimit_1024(tmp_path: Path, command: str) -> None
         application_runs_for_half_open=ran - SCRAPES,
         tracebacks=0,
     )
-
-
-def _record(command: str, **figures: Any) -> None:
-    if not RECORD:
-        return
-    import platform
-
-    data: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    data["benchmark"] = "http-flood"
-    data["kernel"] = platform.release()
-    data.setdefault("servers", {})[command] = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        **figures,
-    }
-    RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def test_a_lone_half_open_request_meets_its_deadline(tmp_path: Path) -> None:
