@@ -298,7 +298,7 @@ def test_bad_flags_are_reported_before_torch(args: list[str], message: str) -> N
 def test_check_validates_without_allocating() -> None:
     ok = hostpool("serve", "--check", "--port", "0", "--pool", "kv=1GiB", importtime=True)
     assert ok.returncode == 0, ok.stderr
-    assert ok.stdout.startswith("ok: 1 pools, kv=1073741824B (shm)")
+    assert ok.stdout.startswith("ok: 1 pools (kv 1GiB (shm)); listen 127.0.0.1:0")
     assert not imported_torch(ok.stderr)
     bad = hostpool("serve", "--check", "--pool", "kv=10TiB")
     assert bad.returncode == 2 and "MemTotal" in bad.stderr and bad.stdout == ""

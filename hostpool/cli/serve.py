@@ -151,11 +151,10 @@ def run(args: argparse.Namespace) -> int:
     sock = listener.bind(cfg.host, cfg.port)
     if args.check:
         sock.close()
-        print(
-            f"ok: {len(cfg.pools)} pools, "
-            + ", ".join(f"{p.name}={p.size}B ({p.allocator})" for p in cfg.pools)
-            + f"; listen {cfg.host}:{cfg.port}"
-        )
+        from hostpool.units import format_size
+
+        pools = ", ".join(f"{p.name} {format_size(p.size)} ({p.allocator})" for p in cfg.pools)
+        print(f"ok: {len(cfg.pools)} pools ({pools}); listen {cfg.host}:{cfg.port}")
         return 0
     stop = _Stop()
     try:
