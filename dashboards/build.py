@@ -244,6 +244,22 @@ LIFECYCLE = RowSpec(
             thresholds=((None, "green"), (1, "red")),
             width=12,
         ),
+        PanelSpec(
+            "fds closed by a caller",
+            "Releases that found the region's fd number naming another file: the code "
+            "using the pool closed hostpool's fd (handed out by .fd/.fds) and the kernel "
+            "reused the number. hostpool left that file open; the pool's owner must not "
+            "close fds it did not dup.",
+            "short",
+            (
+                q(
+                    f"sum by (pool) (increase(hostpool_fd_reuse_skips_total{{{POOL}}}{RATE}))",
+                    "{{pool}}",
+                ),
+            ),
+            thresholds=((None, "green"), (1, "red")),
+            width=12,
+        ),
     ),
 )
 
@@ -365,28 +381,32 @@ BUDGET = RowSpec(
     (
         PanelSpec(
             "Budget and reservations",
-            "The effective budget (what is held plus what may still be allocated: the "
-            "smallest of the configured budget, MemAvailable minus headroom and the cgroup's "
-            "room) and the bytes reserved against it. A budget shrinking towards the "
-            "reservations means the host runs out of memory for reasons outside hostpool. "
-            "Zero means no budget is configured.",
+            "One line per limit that applies (configured budget, MemAvailable minus "
+            "headroom, cgroup room, host-wide budget, hugetlb pool): the bytes reserved "
+            "plus the room that limit leaves now, never above what the host or cgroup "
+            "holds. The lowest normal-page line is the limit that binds; hugetlb binds "
+            "hugetlb-backed requests only. Reserved is what hostpool holds plus what is "
+            "being allocated.",
             "bytes",
             (
-                q(f"hostpool_budget_bytes{{{TARGET}}}", "{{instance}} budget"),
+                q(f"hostpool_budget_bytes{{{TARGET}}}", "{{instance}} {{limit}}"),
                 q(f"hostpool_budget_reserved_bytes{{{TARGET}}}", "{{instance}} reserved"),
             ),
             width=16,
         ),
         PanelSpec(
             "Budget used",
-            "Reserved / budget per target. Above 90% for 15 minutes fires "
-            "HostpoolBudgetNearlyUsed: the next large allocation will be refused with "
-            "reason=budget. Raise the budget, shrink pools, or free host memory.",
+            "Reserved / the binding limit per target (the highest share over the "
+            "normal-page limits). Above 90% for 15 minutes fires HostpoolBudgetNearlyUsed, "
+            "naming the limit: the next large allocation will be refused. Raise the "
+            "budget, shrink pools, or free host memory.",
             "percentunit",
             (
                 q(
+                    "max without (limit) ("
                     f"hostpool_budget_reserved_bytes{{{TARGET}}}"
-                    f" / (hostpool_budget_bytes{{{TARGET}}} > 0)",
+                    " / ignoring (limit) group_right ()"
+                    f' (hostpool_budget_bytes{{{TARGET}, limit!="hugetlb"}} > 0))',
                     "{{instance}}",
                 ),
             ),
@@ -396,6 +416,7 @@ BUDGET = RowSpec(
         ),
     ),
 )
+
 
 SHARING = RowSpec(
     "Sharing",

@@ -377,7 +377,8 @@ def test_lint_catches(case: str, dashboard: Dashboard, catalogue: dict[str, lint
 def test_catalogue_parsing(catalogue: dict[str, lint.Metric]) -> None:
     assert catalogue["hostpool_allocated_bytes"].labels == ("pool", "allocator", "page_size")
     assert catalogue["hostpool_allocation_duration_seconds"].type == "histogram"
-    assert catalogue["hostpool_budget_bytes"].labels == ()
+    assert catalogue["hostpool_budget_bytes"].labels == ("limit",)
+    assert catalogue["hostpool_budget_reserved_bytes"].labels == ()
     assert catalogue["hostpool_exporter_processes"].labels == ("prefix",)
     assert "up" not in catalogue  # only the metric tables count
 

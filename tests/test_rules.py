@@ -236,7 +236,7 @@ def test_record_names_follow_level_metric_operations(rule: dict[str, Any]) -> No
     # The level lists the labels kept (besides job), the metric part names its source.
     assert metric.startswith(("hostpool_", "process_"))
     kept = set(level.split("_")) - {"instance", "pool"}
-    assert kept <= {"how", "reason", "le"}
+    assert kept <= {"how", "reason", "le", "limit"}
 
 
 def test_rule_expressions_use_known_metrics_and_rate_counters() -> None:
