@@ -69,3 +69,28 @@ def test_on_the_hook_installs_the_integration_without_importing_torch() -> None:
         "print(sglang.installed(), 'torch' in sys.modules)"
     )
     assert _child(env, code) == "True False"
+
+
+def test_hostpool_run_activates_the_integration_in_the_command() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "HOSTPOOL_INSTRUMENT"}
+    code = (
+        "import os; from hostpool.integrations import sglang; "
+        "print(os.environ['HOSTPOOL_INSTRUMENT'], sglang.installed())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "hostpool", "run", "--", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=120, env=env, cwd="/",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "sglang True"
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"), [(["run"], 2), (["run", "--"], 2), (["run", "--", "/nonexistent/cmd"], 2)]
+)
+def test_hostpool_run_usage_errors(argv: list[str], code: int) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "hostpool", *argv], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == code
+    assert out.stderr.startswith("hostpool run: ") and out.stdout == ""
