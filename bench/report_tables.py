@@ -148,13 +148,14 @@ def http_flood(data: dict[str, Any], _ctx: Any) -> str:
 
 def share_attacks(data: dict[str, Any], _ctx: Any) -> str:
     """The share socket under attack (tests/reliability/test_share_*.py)."""
-    idle = data["idle_flood"]
-    fds = data["fd_exhaustion"]
-    trickle = data["trickling_server"]
+    attacks = data["attacks"]
+    idle, fds = attacks["idle_flood"], attacks["fd_exhaustion"]
+    trickle = attacks["trickling_server"]
+    dates = sorted(a["date"][:10] for a in attacks.values())
     return "\n".join(
         [
             f"Last run (`HOSTPOOL_RECORD_RESULTS=1 pytest tests/reliability/test_share_*.py`, "
-            f"{data['date'][:10]}, Linux {data['kernel']}):",
+            f"{dates[-1]}, Linux {data['kernel']}):",
             "",
             "| attack | what held | figure |",
             "| --- | --- | ---: |",
@@ -192,10 +193,13 @@ def first_alloc(data: dict[str, Any], _ctx: Any) -> str:
             f"| construct the allocator | {m['construct_ms']:.2f} ms |",
             f"| first 2 MiB `allocate()` (lazy probes included) | {m['first_call_ms']:.1f} ms |",
             f"| **import + construct + first call** | **{m['total_ms']:.1f} ms** |",
+            f"| the same, CPU time of the process | {m['total_cpu_ms']:.1f} ms |",
             f"| second 2 MiB `allocate()`, for contrast | {m['second_call_ms']:.1f} ms |",
             "",
             f"Target < {data['target_ms']:.0f} ms: {VERDICT[bool(data['pass'])]} (range "
-            f"{data['min_total_ms']:.1f} to {data['max_total_ms']:.1f} ms).",
+            f"{data['min_total_ms']:.1f} to {data['max_total_ms']:.1f} ms; 1-minute load "
+            f"average {data['loadavg_median']:.1f} on {data['machine']['cpus']} CPUs while "
+            "it ran).",
         ]
     )
 

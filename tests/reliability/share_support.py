@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests import helpers
+from tests.reliability import results
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "share-attacks.json"
-RECORD = os.environ.get("HOSTPOOL_SOAK") == "1" or os.environ.get("HOSTPOOL_RECORD_RESULTS") == "1"
 NOBODY = 65534
 
 # A share server: pools `fallback` (a /dev/shm file: cannot be sealed) and `sealed` (a
@@ -138,20 +137,7 @@ def public_dir(root: None) -> Iterator[str]:
     shutil.rmtree(top, ignore_errors=True)
 
 
-def record(section: str, figures: dict[str, object]) -> None:
-    """Merge one test's figures into the results file (only in `make soak` runs)."""
-    if not RECORD:
-        return
-    import platform
-    import time
-
-    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    data.update(
-        {
-            "benchmark": "share-attacks",
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "kernel": platform.release(),
-            section: figures,
-        }
-    )
-    RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+def record(attack: str, **figures: object) -> None:
+    """One attack's figures, into bench/results/share-attacks.json (make soak, or
+    HOSTPOOL_RECORD_RESULTS=1)."""
+    results.record("share-attacks", "attacks", attack, **figures)

@@ -121,16 +121,14 @@ def test_3000_idle_connections_do_not_delay_an_attach(public_dir: str) -> None:
         assert server.touch() is not None
         record(
             "idle_flood",
-            {
-                "connections_held": attacker.report["held"],
-                "server_connections_kept": kept,
-                "per_uid_cap": cap,
-                "rlimit_nofile": 1024,
-                "attach_ms_quiet_median": round(statistics.median(quiet) * 1e3, 2),
-                "attach_ms_flood_median": round(statistics.median(loaded) * 1e3, 2),
-                "attach_ms_flood_max": round(max(loaded) * 1e3, 2),
-                "attaches": len(loaded),
-            },
+            connections_held=attacker.report["held"],
+            server_connections_kept=kept,
+            per_uid_cap=cap,
+            rlimit_nofile=1024,
+            attach_ms_quiet_median=round(statistics.median(quiet) * 1e3, 2),
+            attach_ms_flood_median=round(statistics.median(loaded) * 1e3, 2),
+            attach_ms_flood_max=round(max(loaded) * 1e3, 2),
+            attaches=len(loaded),
         )
     finally:
         assert server.stop() == 0
@@ -175,13 +173,11 @@ def test_fd_exhaustion_backs_off_and_keeps_serving(public_dir: str) -> None:
         assert server.touch() is not None
         record(
             "fd_exhaustion",
-            {
-                "rlimit_nofile": 128,
-                "server_cpu_share_while_exhausted": round(cpu, 4),
-                "existing_peer_answer_ms": round(answer * 1e3, 2),
-                "attach_ms_after_fds_return": round(recovered * 1e3, 2),
-                "attach_ms_exhausted_with_idle_connections": round(exhausted * 1e3, 2),
-            },
+            rlimit_nofile=128,
+            server_cpu_share_while_exhausted=round(cpu, 4),
+            existing_peer_answer_ms=round(answer * 1e3, 2),
+            attach_ms_after_fds_return=round(recovered * 1e3, 2),
+            attach_ms_exhausted_with_idle_connections=round(exhausted * 1e3, 2),
         )
     finally:
         assert server.stop() == 0

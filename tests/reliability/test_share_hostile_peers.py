@@ -73,7 +73,7 @@ def test_attach_timeout_is_one_deadline_for_the_whole_attach(tmp_path: os.PathLi
             server.stdout.close()
         if server.stdin is not None:
             server.stdin.close()
-    record("trickling_server", {"attach_timeout_s": 2, "client_held_s": round(held, 2)})
+    record("trickling_server", attach_timeout_s=2, client_held_s=round(held, 2))
 
 
 def _packet(body: bytes) -> bytes:
