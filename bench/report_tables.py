@@ -114,13 +114,27 @@ def leakcheck(data: dict[str, Any], _ctx: Any) -> str:
     return "\n".join(lines)
 
 
+def _churn_company(churn: dict[str, Any]) -> str:
+    """What ran beside the churn threads, and what held at the end (older files: nothing)."""
+    if "scrapes" not in churn:
+        return ""
+    text = (
+        f", beside a thread scraping the collector ({churn['scrapes']:,} scrapes) and one "
+        f"forking children that allocate and exit ({churn['forks']:,} forks, all exited 0)"
+    )
+    if churn.get("gauges_equal_proc"):
+        text += "; every gauge equal to /proc at the end,"
+    return text
+
+
 def soak(data: dict[str, Any], _ctx: Any) -> str:
     churn = data.get("churn") or {}
     return "\n".join(
         [
             f"Last soak (`make soak`, {data['date'][:10]}, Linux {data['kernel']}): "
             f"{churn.get('cycles', 0):,} allocate/release cycles over {churn.get('threads', 8)} "
-            f"threads in {churn.get('seconds', 0):.0f} s; {data['faults_injected']} fault and "
+            f"threads{_churn_company(churn)} in {churn.get('seconds', 0):.0f} s; "
+            f"{data['faults_injected']} fault and "
             f"kill cases ({', '.join(data['fault_cases'])}); {data['tests_passed']} tests "
             f"passed, {data['tests_failed']} failed.",
         ]

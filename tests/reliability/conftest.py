@@ -44,8 +44,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _results[key].append(report.nodeid)  # type: ignore[attr-defined]
 
 
-def record_churn(cycles: int, seconds: float) -> None:
-    _results["churn"] = {"cycles": cycles, "seconds": round(seconds, 1), "threads": 8}
+def record_churn(cycles: int, seconds: float, **figures: object) -> None:
+    _results["churn"] = {"cycles": cycles, "seconds": round(seconds, 1), **figures}
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

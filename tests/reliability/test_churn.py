@@ -1,23 +1,32 @@
-"""Churn: many allocate/release cycles over threads, pools and every allocator type."""
+"""Churn: many allocate/release cycles over threads, pools and every allocator type, with a
+thread scraping the collector and a thread forking children that allocate, all at once;
+at the end every gauge equals what /proc shows."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
 import threading
 import time
+from typing import Any
 
+import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from hostpool import HostPoolManager
 from hostpool.lifecycle import get_ledger
+from hostpool.metrics import HostPoolCollector, register_metrics
+from tests import helpers
 from tests.reliability.conftest import SOAK, record_churn
 
 CYCLES = 100_000 if SOAK else 10_000
 THREADS = 8
 KINDS = ("shm", "mmap", "default")
 SIGNATURE = b"hostpool"
+MiB = 1 << 20
 
 
 def still_marked(start: int, mark: bytes, mem_fd: int) -> bool:
@@ -29,19 +38,115 @@ def still_marked(start: int, mark: bytes, mem_fd: int) -> bool:
         return False
 
 
-def test_churn_counts_balance_and_nothing_is_left() -> None:
+def _gauges(registry: CollectorRegistry, pools: list[str]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            pool = sample.labels.get("pool")
+            if pool in pools and sample.name in (
+                "hostpool_allocated_bytes",
+                "hostpool_resident_bytes",
+                "hostpool_open_fds",
+                "hostpool_live_allocations",
+            ):
+                by_pool = out.setdefault(sample.name, {})
+                by_pool[pool] = by_pool.get(pool, 0.0) + sample.value
+    return out
+
+
+def _resident(address: int, length: int) -> int:
+    """mincore over the pages a buffer touches (torch's may start mid-page)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = address & ~(page - 1)
+    return min(length, helpers.mincore_resident(start, address + length - start))
+
+
+def _proc_view(pools: list[str], live: dict[str, list[Any]]) -> dict[str, dict[str, float]]:
+    """The same gauges from /proc/self/fd, fstat and mincore, never from hostpool."""
+    out: dict[str, dict[str, float]] = {
+        "hostpool_allocated_bytes": {},
+        "hostpool_resident_bytes": {},
+        "hostpool_open_fds": {},
+        "hostpool_live_allocations": {},
+    }
+    links = helpers.fd_links()
+    for pool in pools:
+        fds = [fd for fd, target in links.items() if f"hostpool.{pool}." in target]
+        out["hostpool_open_fds"][pool] = float(len(fds))
+        tensors = live[pool]
+        out["hostpool_live_allocations"][pool] = float(len(tensors))
+        out["hostpool_allocated_bytes"][pool] = float(sum(t.nbytes for t in tensors))
+        if fds:  # shm: the backing file's blocks, each inode once
+            inodes = {}
+            for fd in fds:
+                st = os.fstat(fd)
+                inodes[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+            resident = sum(inodes.values())
+        else:
+            resident = sum(_resident(t.data_ptr(), t.nbytes) for t in tensors)
+        out["hostpool_resident_bytes"][pool] = float(resident)
+    return out
+
+
+def test_churn_counts_balance_and_nothing_is_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Events off: a thread writing to a buffered stream at fork leaves CPython's stream
+    # lock held in the child (not a lock hostpool owns); 10,000 debug events cost too.
+    logger = logging.getLogger("hostpool")
+    monkeypatch.setattr(logger, "level", logger.level)
+    logger.setLevel(logging.WARNING)
     ledger = get_ledger()
     before = ledger.counters()
     pools = [f"rchurn{i}" for i in range(4)]
     recorded: dict[tuple[int, int], bytes] = {}
     lock = threading.Lock()
     errors: list[BaseException] = []
+    done = threading.Event()
+    scrapes = forks = 0
+    registry = CollectorRegistry()
     started = time.monotonic()
     with HostPoolManager() as manager:
+        register_metrics(registry, ledger=ledger)
         allocators = [
             manager.allocator(pool, KINDS[i % 3], populate="none" if i % 2 else "auto")
             for i, pool in enumerate(pools)
         ]
+
+        def scrape() -> None:
+            nonlocal scrapes
+            collector = HostPoolCollector(ledger)
+            try:
+                while not done.is_set():
+                    list(collector.collect())
+                    scrapes += 1
+            except BaseException as exc:
+                errors.append(exc)
+
+        def fork() -> None:
+            # Children forked mid-churn allocate through the same allocators and exit.
+            nonlocal forks
+            try:
+                while not done.wait(0.05):
+                    pid = os.fork()
+                    if pid == 0:
+                        code = 1
+                        try:
+                            for alloc in allocators:
+                                alloc._allocate((4096,), torch.uint8, "cpu")
+                            code = 0
+                        finally:
+                            os._exit(code)
+                    deadline = time.monotonic() + 30
+                    while (reaped := os.waitpid(pid, os.WNOHANG))[0] == 0:
+                        if time.monotonic() > deadline:
+                            os.kill(pid, 9)
+                            os.waitpid(pid, 0)
+                            raise AssertionError(f"forked child {pid} hung")
+                        time.sleep(0.01)
+                    code = os.waitstatus_to_exitcode(reaped[1])
+                    assert code == 0, f"forked child failed: exit {code}"
+                    forks += 1
+            except BaseException as exc:
+                errors.append(exc)
 
         def work(seed: int) -> None:
             rng = random.Random(seed)
@@ -74,11 +179,23 @@ def test_churn_counts_balance_and_nothing_is_left() -> None:
                 errors.append(exc)
 
         threads = [threading.Thread(target=work, args=(s,)) for s in range(THREADS)]
-        for th in threads:
+        extra = [threading.Thread(target=scrape), threading.Thread(target=fork)]
+        for th in threads + extra:
             th.start()
         for th in threads:
             th.join()
+        done.set()
+        for th in extra:
+            th.join()
         assert errors == []
+        assert scrapes > 0 and forks > 0
+        # At rest with some allocations live: every gauge equals what /proc shows.
+        live = {
+            p: [a.allocate((MiB * (i + 1),), torch.uint8)]
+            for i, (p, a) in enumerate(zip(pools, allocators, strict=True))
+        }
+        assert _gauges(registry, pools) == _proc_view(pools, live)
+        live.clear()
     seconds = time.monotonic() - started
     after = ledger.counters()
 
@@ -86,7 +203,7 @@ def test_churn_counts_balance_and_nothing_is_left() -> None:
         return sum(after[key].get((p, label), 0) - before[key].get((p, label), 0) for p in pools)
 
     made = sum(delta("allocations_total", k) for k in ("shm", "mmap", "default"))
-    assert made == CYCLES
+    assert made == CYCLES + 4  # and the four at rest
     assert made == delta("releases_total", "explicit") + delta("releases_total", "finalizer")
     # Shared memfd regions show by name (the fixture checks /proc/self/maps for them);
     # anonymous ones by the signature at their start, whatever maps that address now.
@@ -96,4 +213,6 @@ def test_churn_counts_balance_and_nothing_is_left() -> None:
     finally:
         os.close(mem_fd)
     assert still == []
-    record_churn(CYCLES, seconds)
+    record_churn(
+        CYCLES, seconds, threads=THREADS, scrapes=scrapes, forks=forks, gauges_equal_proc=True
+    )
