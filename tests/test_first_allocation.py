@@ -21,13 +21,16 @@ FIRST_ALLOCATION = """
 
 def test_first_allocation_imports_no_logging_or_config_parsers() -> None:
     """structlog (which pulls in rich where it is installed: 30-400 ms) loads at the first
-    event that passes the level check, and tomllib only for a .toml config."""
+    event that passes the level check, tomllib only for a .toml config."""
     proc = helpers.run_python(FIRST_ALLOCATION)
     assert proc.returncode == 0, proc.stderr
     loaded = set(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert "hostpool.allocators" in loaded  # the import did happen in the measured span
     heavy = {m for m in loaded if m.split(".")[0] in ("structlog", "rich", "tomllib", "yaml")}
     assert heavy == set()
+    # ctypes.util.find_library runs ldconfig in a subprocess (~10 ms); secrets pulls in
+    # hmac and hashlib (~6 ms): libc is reached through dlopen(NULL), names use os.urandom
+    assert {"ctypes.util", "secrets"} & loaded == set()
 
 
 def test_structlog_loads_when_an_event_is_wanted() -> None:

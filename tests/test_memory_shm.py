@@ -71,7 +71,7 @@ def test_planted_symlink_is_never_followed(
     with open(victim, "w") as f:
         f.write("precious")
     names = iter(["planted", "fresh"])
-    monkeypatch.setattr(shm.secrets, "token_hex", lambda n: next(names))
+    monkeypatch.setattr(shm, "random_suffix", lambda: next(names))
     seq = next(shm._sequence) + 1
     predicted = f"hostpool.sym.{os.getpid()}.{seq}.planted"
     os.symlink(victim, os.path.join(tmp_path, predicted))
@@ -89,7 +89,7 @@ def test_planted_symlink_is_never_followed(
 def test_every_name_taken_raises_after_n_attempts(
     tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch, no_leaked_fds: None
 ) -> None:
-    monkeypatch.setattr(shm.secrets, "token_hex", lambda n: "same")
+    monkeypatch.setattr(shm, "random_suffix", lambda: "same")
     seq = next(shm._sequence) + 1
     os.symlink("/etc/passwd", os.path.join(tmp_path, f"hostpool.c.{os.getpid()}.{seq}.same"))
     alloc = ShmHostTensorAllocator("c", shm_backend="devshm", fallback_dir=os.fspath(tmp_path))

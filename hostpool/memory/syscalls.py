@@ -9,7 +9,6 @@ which releases the GIL: `mmap.madvise()` holds it, so populate threads would ser
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import platform
@@ -45,7 +44,9 @@ PR_SET_VMA_ANON_NAME = 0
 MPOL_BIND = 2
 _SYS_MBIND = {"x86_64": 237, "aarch64": 235, "ppc64le": 259, "s390x": 268}
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+# dlopen(NULL): libc's symbols are already in the process. find_library("c") would run
+# ldconfig in a subprocess, ~10 ms of every process's first allocation.
+_libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
