@@ -39,10 +39,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check hostpool tests bench dashboards
 	$(VENV)/bin/mypy
 
+# The other page states compare the targets' variants only (restated peers: warm table).
+POPULATE_STATES = hostpool_shm,hostpool_shm_2mb,hostpool_mmap,sglang_alloc_shm,sglang_alloc_mmap_2mb,sglang_alloc_mmap_parallel,torch_empty_zero,bare_hugetlb_madvise,bare_shm_populate,bare_anon_populate
+
 bench: $(STAMP)
 	$(PY) bench/populate.py
-	$(PY) bench/populate.py --pages natural --output bench/results/populate-natural.json
-	-$(PY) bench/populate.py --pages cold --output bench/results/populate-cold.json
+	$(PY) bench/populate.py --pages natural --variants $(POPULATE_STATES) --output bench/results/populate-natural.json
+	-$(PY) bench/populate.py --pages cold --variants $(POPULATE_STATES) --output bench/results/populate-cold.json
 	$(PY) bench/first_alloc.py
 	$(PY) bench/overhead.py
 	$(PY) bench/scrape.py
