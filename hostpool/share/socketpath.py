@@ -155,7 +155,15 @@ class SocketPath:
     def _bind(self, backlog: int) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
-            sock.bind(self.path)
+            try:
+                sock.bind(self.path)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                # bound by a process that does not take the directory lock
+                raise ShareSocketInUseError(
+                    f"{self.path} was taken by another process while starting"
+                ) from exc
             st = os.lstat(self.path)
             self._identity = (st.st_dev, st.st_ino)
             # SO_PEERCRED is the real gate; the mode keeps other uids from even connecting

@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from hostpool import HostPoolManager
 from hostpool.errors import ConfigError, ShareSocketInUseError
-from hostpool.share import PoolShareServer, attach
+from hostpool.share import PoolShareServer, attach, protocol
 from tests.reliability.share_support import FULL_SUM, NOBODY, Server
 
 
@@ -105,3 +105,59 @@ def test_socket_someone_else_put_there_is_not_removed(tmp_path: os.PathLike[str]
         finally:
             other.close()
             os.unlink(path)
+
+
+def test_servers_racing_for_a_stale_socket_leave_one_winner(tmp_path: os.PathLike[str]) -> None:
+    """Probe, unlink and bind happen under an flock of the directory: of eight servers
+    started at once on a stale socket, one serves and seven get ShareSocketInUseError."""
+    path = os.path.join(tmp_path, "d", "pool.sock")
+    os.mkdir(os.path.dirname(path), 0o700)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stale.bind(path)  # bound, never listening: what a SIGKILLed server leaves
+    stale.close()
+    go_r, go_w = os.pipe()
+    stop_r, stop_w = os.pipe()
+    children = []
+    for _ in range(8):
+        out_r, out_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a contender
+            try:
+                os.close(go_w)
+                os.close(stop_w)
+                os.read(go_r, 1)  # everyone starts when the parent closes go_w
+                try:
+                    server = PoolShareServer(HostPoolManager(), path).start()
+                except ShareSocketInUseError:
+                    os.write(out_w, b"in use")
+                else:
+                    os.write(out_w, b"serving")
+                    os.read(stop_r, 1)
+                    server.close()
+            except BaseException as exc:
+                os.write(out_w, repr(exc).encode())
+            finally:
+                os._exit(0)
+        os.close(out_w)
+        children.append((pid, out_r))
+    os.close(go_r)
+    os.close(stop_r)
+    os.close(go_w)
+    outcomes = []
+    for _pid, out_r in children:
+        outcomes.append(os.read(out_r, 4096).decode())
+    try:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        probe.settimeout(5)
+        probe.connect(path)
+        protocol.send(probe, {"op": "list"})
+        answer, _, _ = protocol.receive(probe)
+        probe.close()
+    finally:
+        os.close(stop_w)
+        for pid, out_r in children:
+            os.waitpid(pid, 0)
+            os.close(out_r)
+    assert sorted(outcomes) == ["in use"] * 7 + ["serving"], outcomes
+    assert answer["ok"] is True  # the winner answers at the path
+    assert not os.path.exists(path)  # and removed its socket when it stopped
