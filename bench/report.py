@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -237,6 +238,15 @@ def render_populate(data: dict[str, Any], ctx: Context) -> str:
         "run. The sglang rows call the installed package's own allocators.",
         "",
     ]
+    loads = [x["loadavg_before"][0] for x in data.get("samples", []) if "loadavg_before" in x]
+    cpus = data.get("machine", {}).get("cpus")
+    if loads and cpus and max(loads) > cpus / 2:
+        lines += [
+            f"Other work shared the machine during this run: 1-minute load average "
+            f"{min(loads):.1f} to {max(loads):.1f} (median {statistics.median(loads):.1f}) on "
+            f"{cpus} CPUs before the samples; read the ratios with the raw samples' spread.",
+            "",
+        ]
     pages = data["config"].get("pages")
     if pages:
         meaning = data["config"].get("pages_meaning", "")
