@@ -234,6 +234,24 @@ def current_pool(allocator: object | None = None) -> str:
 
 
 # -- replacements for pool_host/common.py and storage/mmap ------------------------------
+HUGEPAGE_ENV = "SGLANG_HUGEPAGE_SIZE"  # sglang's knob for its mmap allocator
+
+
+def mmap_options() -> dict[str, str]:
+    """sglang's `SGLANG_HUGEPAGE_SIZE` (read per call, as sglang does) as hostpool options:
+    `2MB`/`1GB` try hugetlb and fall back to normal pages (hostpool counts the fallback);
+    anything else is sglang's warning and normal pages."""
+    import os
+
+    raw = os.environ.get(HUGEPAGE_ENV) or ""
+    size = raw.strip().upper()
+    if size in ("2MB", "1GB"):
+        return {"hugepages": "prefer", "hugepage_size": size}
+    if size:
+        events.warning("hostpool.sglang.bad_hugepage_size", value=raw, expected="2MB or 1GB")
+    return {}
+
+
 def _build_mmap_replacements(module: types.ModuleType) -> None:
     original_shm = vars(module).get("alloc_shm")
     original_mmap = vars(module).get("alloc_mmap")
@@ -255,7 +273,7 @@ def _build_mmap_replacements(module: types.ModuleType) -> None:
             """sglang's `alloc_mmap` on hostpool: the tensor owns its mapping."""
             from hostpool import allocators
 
-            tensor = allocators.alloc_mmap(dims, dtype, pool=current_pool())
+            tensor = allocators.alloc_mmap(dims, dtype, pool=current_pool(), **mmap_options())
             _started()
             return tensor
 
@@ -365,7 +383,9 @@ def _allocator_classes(base: type, shm_base: type) -> tuple[type, type]:
 
         def _hostpool(self, pool: str) -> allocators.HostTensorAllocator:
             if self.hostpool_allocator is None:
-                self.hostpool_allocator = allocators.create_allocator(self.hostpool_kind, pool=pool)
+                self.hostpool_allocator = allocators.create_allocator(
+                    self.hostpool_kind, pool=pool, **mmap_options()
+                )
             return self.hostpool_allocator
 
         def _made(self, tensor: Any) -> None:

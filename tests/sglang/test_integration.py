@@ -427,3 +427,34 @@ def test_spawned_child_without_the_variable_leaves_sglang_untouched(sglang: Any)
     process.join(60)
     assert info["patched"] is False
     assert process.exitcode == 0
+
+
+def test_sglang_hugepage_size_gives_the_default_pool_hugetlb_pages(
+    sglang: Any, hugepages_2m: int, monkeypatch: pytest.MonkeyPatch, no_leaked_fds: None
+) -> None:
+    """sglang's SGLANG_HUGEPAGE_SIZE=2MB maps its default host pools on hugetlb pages."""
+    monkeypatch.setenv("SGLANG_HUGEPAGE_SIZE", "2MB")
+    pool = pools.mha("layer_first", "default", "mha_huge")
+    (record,) = _records("mha_huge")
+    assert record.page_size == 2 << 20
+    assert record.mapped_bytes % (2 << 20) == 0
+    pool.destroy()
+    del pool
+    gc.collect()
+    assert _records("mha_huge") == []
+
+
+def test_an_unknown_sglang_hugepage_size_warns_and_uses_normal_pages(
+    sglang: Any, monkeypatch: pytest.MonkeyPatch, no_leaked_fds: None
+) -> None:
+    monkeypatch.setenv("SGLANG_HUGEPAGE_SIZE", "3MB")
+    with structlog.testing.capture_logs() as logs:
+        pool = pools.mha("layer_first", "default", "mha_odd")
+    (record,) = _records("mha_odd")
+    assert record.page_size == PAGE
+    assert [e["value"] for e in logs if e["event"] == "hostpool.sglang.bad_hugepage_size"] == [
+        "3MB"
+    ]
+    pool.destroy()
+    del pool
+    gc.collect()
