@@ -317,8 +317,15 @@ class ShmHostTensorAllocator(HostTensorAllocator):
 
     def release(self, tensor: torch.Tensor) -> bool:
         if self._retained is not None:
+            # Drop our own reference to the region `tensor` lives in (a view may start
+            # anywhere inside it), so nothing of ours keeps it mapped.
             address = int(tensor.data_ptr())
-            self._retained = [t for t in self._retained if int(t.data_ptr()) != address]
+            for region in self.regions:
+                start, end = region.address, region.address + max(region.mapped_bytes, 1)
+                if start <= address < end:
+                    self._retained = [
+                        t for t in self._retained if not start <= int(t.data_ptr()) < end
+                    ]
         return super().release(tensor)
 
     def close(self) -> None:

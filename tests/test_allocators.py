@@ -296,3 +296,20 @@ def test_retaining_shm_allocator_keeps_fds_for_its_life(no_leaked_fds: None) -> 
         assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:hostpool.retained.")
     alloc.close()
     assert alloc.fds == [] and alloc.regions == []
+
+
+def test_retaining_allocator_releases_a_region_through_any_view(no_leaked_fds: None) -> None:
+    alloc = ShmHostTensorAllocator("retained_view", retain=True)
+    alloc.allocate((64, 1024), torch.float16)
+    view = alloc.allocate((64, 1024), torch.float16)[10:]  # not at the region's start
+    (region,) = [
+        r for r in alloc.regions if r.address <= view.data_ptr() < r.address + r.mapped_bytes
+    ]
+    address, length = region.address, region.mapped_bytes
+    del region
+    assert alloc.release(view) is False  # the view still maps it
+    del view
+    gc.collect()
+    assert len(alloc.fds) == 1
+    assert not helpers.range_mapped(address, length)
+    alloc.close()
