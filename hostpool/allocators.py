@@ -329,9 +329,11 @@ class ShmHostTensorAllocator(HostTensorAllocator):
         return super().release(tensor)
 
     def close(self) -> None:
-        if self._retained is not None:
-            self._retained.clear()  # first, so nothing of ours keeps a view mapped
+        # Release explicitly while our references still hold the regions, then drop them:
+        # dropping first would let the GC finalizer count the release (the leak signal).
+        retained, self._retained = self._retained, None if self._retained is None else []
         super().close()
+        del retained
 
     @property
     def fds(self) -> list[int]:

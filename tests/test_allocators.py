@@ -296,6 +296,16 @@ def test_retaining_shm_allocator_keeps_fds_for_its_life(no_leaked_fds: None) -> 
         assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:hostpool.retained.")
     alloc.close()
     assert alloc.fds == [] and alloc.regions == []
+    gc.collect()
+    ledger = get_ledger()
+    ledger.drain()
+    releases = {
+        how: n
+        for (pool, how), n in ledger.counters()["releases_total"].items()
+        if pool == "retained"
+    }
+    assert releases == {"explicit": 2}  # a healthy close is never the leak signal
+    assert helpers.maps_lines("hostpool.retained.") == []
 
 
 def test_retaining_allocator_releases_a_region_through_any_view(no_leaked_fds: None) -> None:
