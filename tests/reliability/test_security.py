@@ -17,7 +17,7 @@ def test_precreated_file_of_the_same_name_is_never_opened(
     tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     names = iter(["taken", "fresh"])
-    monkeypatch.setattr(shm.secrets, "token_hex", lambda n: next(names))
+    monkeypatch.setattr(shm, "random_suffix", lambda: next(names))
     seq = next(shm._sequence) + 1
     planted = os.path.join(tmp_path, f"hostpool.pre.{os.getpid()}.{seq}.taken")
     with open(planted, "w") as f:
