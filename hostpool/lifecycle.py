@@ -502,6 +502,7 @@ def _emit_leaks(leaked: list[_Entry]) -> None:
 def _emit_releases(finished: list[tuple[str, _Entry]], gone: bool | None = None) -> None:
     for how, entry in finished:
         r = entry.region
+        still_mapped = r.mapped if gone is None else not gone
         events.info(
             "hostpool.release",
             how=how,
@@ -509,7 +510,9 @@ def _emit_releases(finished: list[tuple[str, _Entry]], gone: bool | None = None)
             allocator=entry.allocator,
             bytes=r.mapped_bytes,
             name=r.name,
-            still_mapped=not gone if gone is not None else r.mapped,
+            # When the pages go: "now", or "with_last_view" when the caller still holds
+            # views (the normal case for release(tensor)); neither is a problem.
+            unmap="with_last_view" if still_mapped else "now",
         )
 
 

@@ -41,6 +41,12 @@ def test_alloc_populate_and_release_events() -> None:
     releases = [e for e in logs if e["event"] == "hostpool.release"]
     assert {e["how"] for e in releases} == {"explicit", "finalizer"}
     assert all(e["pool"] == "ev" and "bytes" in e for e in releases)
+    # The explicit release while the caller held its view unmaps with that view; the
+    # finalizer release ran because the pages went.
+    assert {(e["how"], e["unmap"]) for e in releases} == {
+        ("explicit", "with_last_view"),
+        ("finalizer", "now"),
+    }
 
 
 def test_fallback_failure_and_leak_events(root: None) -> None:

@@ -99,6 +99,12 @@ def test_endpoints_and_clean_sigterm(served: Served) -> None:
         ("swa", "explicit"),
         ("mamba", "explicit"),
     }
+    # A clean shutdown reads as one: no release says the pages are "still mapped", and
+    # nothing is logged above info.
+    assert "still_mapped" not in served.log()
+    assert {r["unmap"] for r in releases} <= {"now", "with_last_view"}
+    shutdown = [json.loads(x) for x in served.log().splitlines() if x.startswith("{")]
+    assert all(e["level"] in ("debug", "info") for e in shutdown), shutdown
     assert "hostpool.leak" not in served.log()
     serving = [json.loads(x) for x in served.log().splitlines() if '"hostpool.serving"' in x]
     assert [e["level"] for e in serving] == ["info"]  # the normal case is not a warning
