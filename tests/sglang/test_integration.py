@@ -378,6 +378,17 @@ def _spawn(env: dict[str, str], label: str) -> tuple[Any, Any, dict[str, Any]]:
     return process, parent, parent.recv()
 
 
+def _dashboard_server_series() -> set[str]:
+    from tests import dashboard_lint as lint
+
+    names: set[str] = set()
+    for _, expr in lint.panel_exprs(lint.load_dashboard()):
+        names |= lint.metric_names(expr)
+    return {
+        n for n in names if n.startswith("hostpool_") and not n.startswith("hostpool_exporter_")
+    }
+
+
 @pytest.mark.slow
 def test_spawned_child_with_the_variable_is_tracked_in_inspect_and_metrics(
     sglang: Any, tmp_path: Path
@@ -409,6 +420,10 @@ def test_spawned_child_with_the_variable_is_tracked_in_inspect_and_metrics(
         assert value == info["bytes"], [
             s for m in registry.collect() for s in m.samples if "allocated" in s.name
         ]
+        # The dashboards work against sglang's job unchanged: every hostpool series they
+        # query for a server (not the exporter's) is among sglang's multiprocess samples.
+        served = {s.name for m in registry.collect() for s in m.samples}
+        assert _dashboard_server_series() - served == set()
     finally:
         conn.send("go")
         conn.poll(60)
