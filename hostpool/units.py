@@ -54,3 +54,10 @@ def format_size(n: int) -> str:
             value = n / scale
             return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
     return f"{n}B"
+
+
+def page_spans(address: int, length: int, span: int, page_size: int) -> list[tuple[int, int]]:
+    """[address, address+length) cut into (start, n) pieces of at most `span` bytes, each a
+    whole number of pages (the last may be shorter)."""
+    span = max(page_size, span // page_size * page_size)
+    return [(address + off, min(span, length - off)) for off in range(0, length, span)]

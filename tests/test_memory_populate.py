@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import pytest
 import torch
@@ -99,27 +100,72 @@ def test_efault_is_a_failure_not_a_fallback(
     assert alloc.regions == []
 
 
-def test_parallel_populate_splits_large_regions(
+def test_parallel_populate_shares_small_spans_among_threads(
     monkeypatch: pytest.MonkeyPatch, no_leaked_fds: None
 ) -> None:
     from hostpool.memory import populate, syscalls
 
-    spans: list[int] = []
+    spans: list[tuple[int, int]] = []
+    lock = threading.Lock()
     real = syscalls.madvise
 
     def spy(address: int, length: int, advice: int) -> None:
         if advice == syscalls.MADV_POPULATE_WRITE:
-            spans.append(length)
+            with lock:
+                spans.append((length, threading.get_ident()))
         real(address, length, advice)
 
     monkeypatch.setattr(syscalls, "madvise", spy)
     monkeypatch.setattr(populate, "PARALLEL_THRESHOLD", 16 << 20)
-    monkeypatch.setattr(populate, "MIN_CHUNK", 4 << 20)
+    monkeypatch.setattr(populate, "SPAN", 4 << 20)
     alloc = ShmHostTensorAllocator("par", populate_threads=4)
     t = alloc.allocate((32 << 20,), torch.uint8)
-    # one probe of a page, then four 8 MiB chunks
-    assert sorted(spans[1:]) == [8 << 20] * 4
+    # one probe of a page, then eight 4 MiB spans spread over the threads
+    assert sorted(n for n, _ in spans[1:]) == [4 << 20] * 8
+    assert len({ident for _, ident in spans[1:]}) > 1
     assert os.fstat(alloc.fd).st_blocks * 512 == 32 << 20
+    alloc.close()
+    del t
+
+
+def test_a_stalled_populate_thread_holds_one_span_not_its_share(
+    monkeypatch: pytest.MonkeyPatch, no_leaked_fds: None
+) -> None:
+    # The first span stalls (as a thread the scheduler parks does) until every other span
+    # is done: with a fixed half per thread that never happens, with a shared queue the
+    # other thread takes all the rest.
+    from hostpool.memory import populate, syscalls
+
+    total = 8
+    done: list[int] = []
+    rest_done = threading.Event()
+    first: list[int] = []
+    lock = threading.Lock()
+    real = syscalls.madvise
+
+    def spy(address: int, length: int, advice: int) -> None:
+        if advice != syscalls.MADV_POPULATE_WRITE or length != 4 << 20:
+            real(address, length, advice)
+            return
+        with lock:
+            is_first = not first
+            first.append(address)
+        if is_first:
+            rest_done.wait(10)
+        real(address, length, advice)
+        with lock:
+            done.append(address)
+            if len(done) == total - 1 and not rest_done.is_set():
+                rest_done.set()
+
+    monkeypatch.setattr(syscalls, "madvise", spy)
+    monkeypatch.setattr(populate, "PARALLEL_THRESHOLD", 16 << 20)
+    monkeypatch.setattr(populate, "SPAN", 4 << 20)
+    alloc = ShmHostTensorAllocator("stall", populate_threads=2)
+    t = alloc.allocate((total * 4 << 20,), torch.uint8)
+    assert rest_done.is_set()  # set by the other thread, not by the 10 s timeout
+    assert len(done) == total
+    assert os.fstat(alloc.fd).st_blocks * 512 == total * 4 << 20
     alloc.close()
     del t
 

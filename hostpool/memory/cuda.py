@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
+from hostpool.units import page_spans
+
 
 class CudaRuntime(Protocol):
     def available(self) -> bool: ...
@@ -63,19 +65,13 @@ def set_runtime(runtime: CudaRuntime) -> CudaRuntime:
     return previous
 
 
-def chunk_spans(address: int, length: int, chunk: int, page_size: int) -> list[tuple[int, int]]:
-    """Chunks of at most `chunk` bytes, each a whole number of pages."""
-    chunk = max(page_size, chunk // page_size * page_size)
-    return [(address + off, min(chunk, length - off)) for off in range(0, length, chunk)]
-
-
 def pin(
     runtime: CudaRuntime, address: int, length: int, chunk: int, page_size: int
 ) -> list[tuple[int, int]]:
     """Register every chunk or none: on failure at chunk k, unregister k-1..0 and re-raise."""
     done: list[tuple[int, int]] = []
     try:
-        for start, n in chunk_spans(address, length, chunk, page_size):
+        for start, n in page_spans(address, length, chunk, page_size):
             runtime.host_register(start, n)
             done.append((start, n))
     except BaseException:
