@@ -2,9 +2,10 @@
 
 For each size (default 1 GiB and 4 GiB) and each of `--runs` rounds, every variant runs in
 a fresh process (`python bench/populate.py --one VARIANT --bytes N`, which prints one JSON
-line), in an order rotated each round so drift and neighbours' load hit all variants
-alike. In the child, set-up (imports, allocator construction) and one small warm-up call
-of the variant (2 MiB: lazy imports, probes, thread pools) are not timed; then only
+line), in a new random order each round (seeded), so drift, place and the neighbour
+whose freed pages a child meets fall on all variants alike. In the child, set-up
+(imports, allocator construction) and one small warm-up call of the variant (2 MiB: lazy
+imports, probes, thread pools) are not timed; then only
 allocate + populate (+ the tensor over it) is. Afterwards the child checks that every
 byte is resident (`fstat().st_blocks` for fd-backed regions, `mincore` for all), so
 nothing lazy passes for fast.
@@ -59,6 +60,7 @@ import ctypes
 import json
 import mmap
 import os
+import random
 import secrets
 import signal
 import statistics
@@ -106,6 +108,7 @@ BASELINE = "torch_empty_zero"
 WARMUP_BYTES = 2 * MiB  # the untimed first call of every variant
 THREADS = min(8, os.cpu_count() or 1)  # hostpool's default populate threads; sglang's too
 BARE_SPAN = 64 << 20  # a multiple of every page size used here
+ORDER_SEED = 20261204
 SGLANG_MODULE = "sglang.srt.mem_cache.storage.mmap.mmap_allocator"
 
 VARIANTS: dict[str, str] = {
@@ -737,10 +740,10 @@ def run_all(
                     hugepages["warm_s"] = reservation.warm()
 
             active = [v for v in variants if v not in skipped]
+            rng = random.Random(ORDER_SEED)
             for run in range(runs):
-                for k, n in enumerate(sizes):
-                    shift = (run + k) % len(active)
-                    order = active[shift:] + active[:shift]
+                for n in sizes:
+                    order = rng.sample(active, len(active))
                     for position, variant in enumerate(order):
                         if variant in HUGEPAGE_VARIANTS and reservation is not None:
                             reservation.top_up()
@@ -779,7 +782,9 @@ def run_all(
             "baseline": BASELINE,
             "pages": pages,
             "pages_meaning": PAGES_HELP[pages],
-            "interleaving": "per round and size, variant order rotated by (round + size index)",
+            "interleaving": "per round and size, variants in a new random order (seed "
+            f"{ORDER_SEED}), so no variant keeps its place or the neighbour whose freed "
+            "pages it meets",
             "timed": "allocate + populate + tensor creation; no interpreter or import time",
             "warmup_bytes": WARMUP_BYTES,
             "populate_threads": THREADS,
@@ -803,7 +808,7 @@ def main() -> int:
     parser.add_argument(
         "--sizes", default="1GiB,4GiB", help="comma-separated (default %(default)s)"
     )
-    parser.add_argument("--runs", type=int, default=3, help="rounds per variant (default 3)")
+    parser.add_argument("--runs", type=int, default=5, help="rounds per variant (default 5)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 64 MiB, 1 run")
     parser.add_argument(
         "--variants", default=",".join(VARIANTS), help="comma-separated subset (default: all)"
