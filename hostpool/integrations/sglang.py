@@ -292,7 +292,7 @@ def _build_common_replacements(common: types.ModuleType) -> None:
         return
     if id(factory) in _replacements:
         return
-    default_cls, shm_cls = _allocator_classes(base, shm_base)
+    default_cls, shm_cls = _allocator_classes(base)
     _replace(base, default_cls)
     _replace(shm_base, shm_cls)
     tracked = (default_cls, shm_cls)
@@ -357,8 +357,8 @@ def _field(server_args: Any, name: str) -> Any:
     return getattr(server_args, name, None)
 
 
-def _allocator_classes(base: type, shm_base: type) -> tuple[type, type]:
-    """Subclasses of sglang's allocator classes (its isinstance checks keep working)."""
+def _allocator_classes(base: type) -> tuple[type, type]:
+    """Subclasses of sglang's base allocator class (its isinstance checks keep working)."""
     from hostpool import allocators
 
     class HostTensorAllocator(base):  # type: ignore[misc]
@@ -396,11 +396,13 @@ def _allocator_classes(base: type, shm_base: type) -> tuple[type, type]:
             if self.hostpool_allocator is not None:
                 self.hostpool_allocator.close()
 
-    class ShmHostTensorAllocator(HostTensorAllocator, shm_base):  # type: ignore[misc]
+    class ShmHostTensorAllocator(HostTensorAllocator):
         """sglang's shm allocator on hostpool memfds: `fds`/`mms` hold every allocation
         for the allocator's life, `fd`/`mm` are the first. Collected without `destroy()`:
         its regions go through the ledger's finalizer (the leak signal); no fd is closed
-        behind the ledger's back."""
+        behind the ledger's back. It does not inherit sglang's shm class, whose `__del__`
+        closes the fds (the ledger's own); install() replaces that class by identity
+        wherever sglang names it, so sglang's code only ever meets this one."""
 
         hostpool_kind = "shm"
 
@@ -420,15 +422,18 @@ def _allocator_classes(base: type, shm_base: type) -> tuple[type, type]:
             self.fds = hp.fds
             self.mms = hp.mms
 
+        @property
+        def fd(self) -> int | None:
+            return self.fds[0] if self.fds else None
+
+        @property
+        def mm(self) -> Any:
+            return self.mms[0] if self.mms else None
+
         def close(self) -> None:
             self.fds = []
             self.mms = []
             super().close()
-
-        def __del__(self) -> None:
-            # sglang closes its fds here; these are the ledger's regions' own: the regions
-            # go with the allocator's retained tensors, through the ledger.
-            pass
 
     HostTensorAllocator.__qualname__ = HostTensorAllocator.__name__
     ShmHostTensorAllocator.__qualname__ = ShmHostTensorAllocator.__name__
