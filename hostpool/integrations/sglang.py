@@ -6,9 +6,9 @@ one of sglang's originals, in the modules already imported and, through an impor
 in every sglang module imported later, so a new module importing these names is covered:
 
 - `ShmHostTensorAllocator` / `HostTensorAllocator` (and `alloc_shm` / `alloc_mmap`):
-  subclasses of sglang's classes whose memory comes from hostpool's memory layer (memfd /
-  anonymous mmap), every region in the ledger. `fd`/`mm` are the first of `fds`/`mms` and
-  stay valid for the allocator's life, as in sglang.
+  subclasses of sglang's base allocator class whose memory comes from hostpool's memory
+  layer (memfd / anonymous mmap), every region in the ledger. `fd`/`mm` are the first of
+  `fds`/`mms` and stay valid for the allocator's life, as in sglang.
 - `get_allocator_from_storage`: sglang's own dispatch (fallbacks and warnings included);
   allocators hostpool does not own (mooncake, tensorcast, mori, unknown) stay sglang's,
   and their tensors are recorded as *foreign* regions (bytes, pool, kind; no fd).
@@ -25,17 +25,16 @@ every original back.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import json
 import re
 import sys
 import threading
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from hostpool import events
+from hostpool.integrations.importhook import PostImportHook, in_package
 
 COMMON = "sglang.srt.mem_cache.pool_host.common"
 MMAP = "sglang.srt.mem_cache.storage.mmap.mmap_allocator"
@@ -47,7 +46,7 @@ _LABEL_DEPTH = 40  # frames searched for the host pool being built
 
 _lock = threading.RLock()
 _installed = False
-_finder: _PostImportFinder | None = None
+_hook: PostImportHook | None = None
 # id(original) -> (original, replacement); built when sglang's modules load.
 _replacements: dict[int, tuple[Any, Any]] = {}
 # (module, attribute, original) and (class, "destroy", original) put back by uninstall().
@@ -63,13 +62,13 @@ def installed() -> bool:
 
 def install() -> None:
     """Patch sglang in this process (now and for modules imported later). Idempotent."""
-    global _installed, _finder
+    global _installed, _hook
     with _lock:
         if _installed:
             return
         _installed = True
-        _finder = _PostImportFinder()
-        sys.meta_path.insert(0, _finder)
+        _hook = PostImportHook(_is_sglang, _after_late_import)
+        _hook.add()
         # The modules that define the originals first, then everything that imported them.
         first = [n for n in (MMAP, COMMON, BASE) if n in sys.modules]
         rest = sorted(n for n in list(sys.modules) if _is_sglang(n) and n not in first)
@@ -81,14 +80,14 @@ def install() -> None:
 
 def uninstall() -> None:
     """Restore every patched attribute to sglang's original and remove the import hook."""
-    global _installed, _finder
+    global _installed, _hook
     with _lock:
         if not _installed:
             return
         _installed = False
-        if _finder is not None and _finder in sys.meta_path:
-            sys.meta_path.remove(_finder)
-        _finder = None
+        if _hook is not None:
+            _hook.remove()
+        _hook = None
         originals = {id(rep): orig for orig, rep in _replacements.values()}
         # Modules imported while installed hold replacements too: put originals back by
         # identity everywhere, not only where install() wrote.
@@ -108,51 +107,14 @@ def uninstall() -> None:
         _patched_classes.clear()
 
 
-def _is_sglang(name: str) -> bool:
-    return name == "sglang" or name.startswith("sglang.")
+_is_sglang = in_package("sglang")
 
 
-# -- the import hook ------------------------------------------------------------------
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Finds sglang modules through the other finders and patches each one right after it
-    runs, before any module that imports names from it."""
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if not _is_sglang(fullname):
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        if loader is not None and hasattr(loader, "exec_module"):
-            spec.loader = _PatchingLoader(loader)
-        return spec
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        module: types.ModuleType | None = self._inner.create_module(spec)
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        # The module keeps its real loader (resources, source lookups, reloads).
-        module.__loader__ = self._inner
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._inner
-        self._inner.exec_module(module)
-        with _lock:
-            if _installed:
-                _after_import(module)
+# -- modules as they load ---------------------------------------------------------------
+def _after_late_import(module: types.ModuleType) -> None:
+    with _lock:
+        if _installed:
+            _after_import(module)
 
 
 def _after_import(module: types.ModuleType) -> None:
