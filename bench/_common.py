@@ -5,6 +5,7 @@ Imports nothing heavy (no torch), so `bench/report.py` can use it too.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime as dt
 import json
@@ -12,9 +13,13 @@ import os
 import platform
 import re
 import sys
+import time
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -73,6 +78,33 @@ def read_text(path: str) -> str | None:
 def loadavg() -> list[float]:
     text = read_text("/proc/loadavg") or "0 0 0"
     return [float(x) for x in text.split()[:3]]
+
+
+def _busy_cpu_seconds() -> float:
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq
+
+
+def _own_cpu_seconds(me: psutil.Process) -> float:
+    t = me.cpu_times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@contextlib.contextmanager
+def other_cpu() -> Iterator[dict[str, float]]:
+    """What the rest of the machine did while the block ran: every CPU's busy time less
+    this process's and its waited-for children's (kernel workers count as others).
+
+    The load average cannot tell this: it counts the benchmark's own children."""
+    me = psutil.Process()
+    out: dict[str, float] = {}
+    busy, own, start = _busy_cpu_seconds(), _own_cpu_seconds(me), time.monotonic()
+    yield out
+    wall = time.monotonic() - start
+    other = (_busy_cpu_seconds() - busy) - (_own_cpu_seconds(me) - own)
+    out["wall_s"] = wall
+    # tick-granular counters on both sides: a small negative difference is rounding
+    out["other_cpus"] = max(0.0, other) / wall if wall > 0 else 0.0
 
 
 def package_version(name: str) -> str | None:

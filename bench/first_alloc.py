@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import RESULTS_DIR, loadavg, machine_facts, utc_now, write_json
+from bench._common import RESULTS_DIR, machine_facts, other_cpu, utc_now, write_json
 
 RESULTS = RESULTS_DIR / "first_alloc.json"
 SIZE = 2 << 20
@@ -73,14 +73,16 @@ def spawn(pycache: str) -> dict[str, Any]:
     # of the tree; PYTHONDONTWRITEBYTECODE would have every sample compile hostpool anew.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPYCACHEPREFIX"] = pycache
-    load = loadavg()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, env=env)
+    with other_cpu() as others:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=300, check=False, env=env
+        )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
     sample: dict[str, Any] = json.loads(lines[-1])
-    sample["loadavg_before"] = load
+    sample["other_cpus"] = others["other_cpus"]
     return sample
 
 
@@ -100,7 +102,7 @@ def summarise(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "max_total_ms": max((s["total_ms"] for s in good), default=None),
         "errors": [s["error"] for s in samples if "error" in s],
         "pass": medians["total_ms"] < TARGET_MS if medians else None,
-        "loadavg_median": statistics.median(s["loadavg_before"][0] for s in good) if good else None,
+        "other_cpus_median": statistics.median(s["other_cpus"] for s in good) if good else None,
     }
 
 

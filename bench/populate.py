@@ -41,6 +41,12 @@ Variants:
 The bare variants' threads take 64 MiB spans from one queue, the fastest split measured
 here (one span per thread left hugetlb populate no faster than one thread).
 
+hostpool_shm_2mb and bare_hugetlb_madvise do the same work (the same madvise over the same
+threads and spans), so what tells them apart is smaller than the run-to-run noise. Each
+round runs them as SAME_WORK_PAIRS adjacent pairs (each pair in random order), giving them
+three times the samples; the target is judged like every other (ratio of the two medians),
+and each pair's own ratio is kept as well (`same_work_paired_ratios`).
+
 Page states (`--pages`), since on a VM the history of a page decides its fault cost:
   warm     every child faults in and frees n bytes just before timing (host-backed pages)
   natural  no preparation: whatever the previous child left (order-dependent)
@@ -81,10 +87,10 @@ from bench._common import (
     GiB,
     MiB,
     format_size,
-    loadavg,
     machine_facts,
     madvise,
     meminfo,
+    other_cpu,
     parse_size,
     resident_bytes,
     utc_now,
@@ -109,6 +115,11 @@ WARMUP_BYTES = 2 * MiB  # the untimed first call of every variant
 THREADS = min(8, os.cpu_count() or 1)  # hostpool's default populate threads; sglang's too
 BARE_SPAN = 64 << 20  # a multiple of every page size used here
 ORDER_SEED = 20261204
+# hostpool's 2 MiB allocator and the bare call make the same madvise over the same threads
+# and spans: their difference is smaller than run-to-run noise, so each round runs them as
+# this many adjacent pairs, not once each.
+SAME_WORK = ("hostpool_shm_2mb", "bare_hugetlb_madvise")
+SAME_WORK_PAIRS = 3
 SGLANG_MODULE = "sglang.srt.mem_cache.storage.mmap.mmap_allocator"
 
 VARIANTS: dict[str, str] = {
@@ -547,11 +558,11 @@ def spawn(variant: str, n: int, pages: str) -> dict[str, Any]:
     """Run one sample in a fresh interpreter; never raises for the child's failures."""
     script = str(Path(__file__).resolve())
     cmd = [sys.executable, script, "--one", variant, "--bytes", str(n), "--pages", pages]
-    load = loadavg()
     try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False
-        )
+        with other_cpu() as others:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False
+            )
     except subprocess.TimeoutExpired:
         return {"variant": variant, "bytes": n, "error": f"timed out after {CHILD_TIMEOUT_S} s"}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -563,7 +574,7 @@ def spawn(variant: str, n: int, pages: str) -> dict[str, Any]:
             "error": f"exit {proc.returncode}: " + " | ".join(tail),
         }
     sample: dict[str, Any] = json.loads(lines[-1])
-    sample["loadavg_before"] = load
+    sample["other_cpus"] = others["other_cpus"]
     return sample
 
 
@@ -607,8 +618,35 @@ def summarise(
                 "teardown_median_s": statistics.median(s["teardown_seconds"] for s in good),
                 "errors": errors,
             }
-        out.append({"size_bytes": n, "size": format_size(n), "variants": by_variant})
+        row: dict[str, Any] = {"size_bytes": n, "size": format_size(n), "variants": by_variant}
+        pairs = paired_ratios(samples, n)
+        if pairs:
+            row["same_work_paired_ratios"] = pairs
+        out.append(row)
     return out
+
+
+def round_order(rng: random.Random, active: list[str]) -> list[tuple[str, int | None]]:
+    """One round's children as (variant, pair): every variant once, in random order, except
+    that when both SAME_WORK variants run they come as SAME_WORK_PAIRS adjacent pairs, each
+    pair in random order and placed at random like any other variant."""
+    if not set(SAME_WORK) <= set(active):
+        return [(v, None) for v in rng.sample(active, len(active))]
+    units: list[list[tuple[str, int | None]]] = [[(v, None)] for v in active if v not in SAME_WORK]
+    units += [[(v, pair) for v in rng.sample(SAME_WORK, 2)] for pair in range(SAME_WORK_PAIRS)]
+    rng.shuffle(units)
+    return [child for unit in units for child in unit]
+
+
+def paired_ratios(samples: list[dict[str, Any]], n: int) -> list[float]:
+    """bare seconds / hostpool seconds for each adjacent SAME_WORK pair of size n that both
+    ran: per-pair ratios cancel the drift that moves both sides of a pair alike."""
+    seconds: dict[tuple[int, int], dict[str, float]] = {}
+    for s in samples:
+        if s.get("pair") is not None and s["bytes"] == n and "error" not in s:
+            seconds.setdefault((s["run"], s["pair"]), {})[s["variant"]] = s["seconds"]
+    mine, bare = SAME_WORK
+    return [p[bare] / p[mine] for _, p in sorted(seconds.items()) if mine in p and bare in p]
 
 
 def _ok(sample: dict[str, Any], variant: str, n: int) -> bool:
@@ -743,13 +781,12 @@ def run_all(
             rng = random.Random(ORDER_SEED)
             for run in range(runs):
                 for n in sizes:
-                    order = rng.sample(active, len(active))
-                    for position, variant in enumerate(order):
+                    for position, (variant, pair) in enumerate(round_order(rng, active)):
                         if variant in HUGEPAGE_VARIANTS and reservation is not None:
                             reservation.top_up()
                         reporting = FreePageReporting().wait_quiet() if pages == "cold" else None
                         sample = spawn(variant, n, pages)
-                        sample.update(run=run, position=position)
+                        sample.update(run=run, position=position, pair=pair)
                         if reporting is not None:
                             sample["reporting_wait"] = reporting
                         samples.append(sample)
@@ -785,13 +822,13 @@ def run_all(
             "interleaving": "per round and size, variants in a new random order (seed "
             f"{ORDER_SEED}), so no variant keeps its place or the neighbour whose freed "
             "pages it meets",
+            "same_work": {"variants": list(SAME_WORK), "pairs_per_round": SAME_WORK_PAIRS},
             "timed": "allocate + populate + tensor creation; no interpreter or import time",
             "warmup_bytes": WARMUP_BYTES,
             "populate_threads": THREADS,
             "residency_check": "mincore over the tensor, plus fstat st_blocks for fd-backed",
         },
         "machine": machine,
-        "loadavg_end": loadavg(),
         "variant_descriptions": {v: VARIANTS[v] for v in variants},
         "hugepages": hugepages,
         "samples": samples,

@@ -1,11 +1,25 @@
-"""The populate bench's verdicts: targets against the same run's medians, and ceilings."""
+"""The populate bench's verdicts (targets against the same run's medians, and ceilings),
+its round order, and its account of other work on the machine."""
 
 from __future__ import annotations
 
+import random
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from bench.populate import TARGETS, evaluate
+from bench._common import other_cpu
+from bench.populate import (
+    SAME_WORK,
+    SAME_WORK_PAIRS,
+    TARGETS,
+    VARIANTS,
+    evaluate,
+    paired_ratios,
+    round_order,
+)
 from bench.report import Context, render_populate
 
 GiB = 1 << 30
@@ -83,3 +97,97 @@ def test_met_targets_get_no_ceiling_line_and_missing_peers_are_named() -> None:
     assert "| hostpool mmap >= 1.0x torch.empty().zero_() | 2.00x at 1 GiB | pass |" in text
     assert 'Ceiling for "hostpool mmap >= 1.0x' not in text
     assert "sglang_alloc_mmap_parallel not run" in text
+
+
+def test_the_same_work_pair_runs_as_adjacent_pairs_in_random_order() -> None:
+    rng = random.Random(1)
+    seen_first: set[str] = set()
+    for _ in range(20):
+        order = round_order(rng, list(VARIANTS))
+        names = [v for v, _ in order]
+        for v in VARIANTS:
+            assert names.count(v) == (SAME_WORK_PAIRS if v in SAME_WORK else 1)
+        for pair in range(SAME_WORK_PAIRS):
+            at = [i for i, (_, p) in enumerate(order) if p == pair]
+            assert len(at) == 2 and at[1] == at[0] + 1
+            assert {names[i] for i in at} == set(SAME_WORK)
+            seen_first.add(names[at[0]])
+    assert seen_first == set(SAME_WORK)  # neither side always goes first
+
+
+def test_without_both_sides_no_pairs_are_made() -> None:
+    active = [v for v in VARIANTS if v != SAME_WORK[1]]
+    order = round_order(random.Random(2), active)
+    assert sorted(v for v, _ in order) == sorted(active)
+    assert all(p is None for _, p in order)
+
+
+def test_paired_ratios_use_only_complete_pairs_of_one_size() -> None:
+    mine, bare = SAME_WORK
+
+    def sample(variant: str, run: int, pair: int, seconds: float, n: int = GiB) -> dict[str, Any]:
+        return {"variant": variant, "run": run, "pair": pair, "bytes": n, "seconds": seconds}
+
+    samples = [
+        sample(mine, 0, 0, 1.0),
+        sample(bare, 0, 0, 1.2),
+        sample(mine, 0, 1, 2.0),
+        sample(bare, 0, 1, 1.0),
+        sample(mine, 1, 0, 1.0),  # its partner failed
+        {"variant": bare, "run": 1, "pair": 0, "bytes": GiB, "error": "exit 1"},
+        sample(mine, 0, 0, 5.0, n=4 * GiB),
+        sample(bare, 0, 0, 5.0, n=4 * GiB),
+    ]
+    assert paired_ratios(samples, GiB) == [1.2, 0.5]
+    assert paired_ratios(samples, 4 * GiB) == [1.0]
+
+
+def test_other_cpu_leaves_out_own_children_and_counts_other_processes() -> None:
+    burn = [
+        sys.executable,
+        "-c",
+        "import time\nt=time.process_time()+1\nwhile time.process_time()<t: pass",
+    ]
+    with other_cpu() as own_child:
+        subprocess.run(burn, check=True)
+    stranger = subprocess.Popen(burn)
+    try:
+        with other_cpu() as others:
+            time.sleep(1.2)  # the stranger burns its second meanwhile; it is not waited for
+    finally:
+        stranger.wait()
+    # one CPU-second burnt by a waited-for child is ours, not other work
+    assert own_child["other_cpus"] * own_child["wall_s"] < 0.5
+    assert others["other_cpus"] * others["wall_s"] > 0.7
+
+
+def test_the_same_work_line_gives_sample_ranges_and_per_pair_ratios() -> None:
+    mine, bare = SAME_WORK
+    medians = {mine: 0.2, bare: 0.19, "torch_empty_zero": 0.9}
+    results = [_row(medians)]
+    results[0]["same_work_paired_ratios"] = [0.9, 1.1, 1.05]
+    samples = [
+        {"variant": v, "bytes": GiB, "seconds": s, "details": {"populate_seconds": s - 0.001}}
+        for v, s in ((mine, 0.2), (mine, 0.25), (bare, 0.19))
+    ]
+    data = {
+        "config": {
+            "runs": 1,
+            "variants": list(medians),
+            "pages": "warm",
+            "warmup_bytes": 1,
+            "same_work": {"variants": list(SAME_WORK), "pairs_per_round": 3},
+        },
+        "machine": {"kernel": "k", "cpus": 2},
+        "date": "2026-12-04",
+        "results": results,
+        "samples": [*samples, {"variant": "torch_empty_zero", "other_cpus": 0.25}],
+        "targets": [evaluate(t, results) for t in TARGETS],
+    }
+    text = render_populate(
+        data, Context(results_dir=Path("/nonexistent"), readme=None, charts=False)
+    )
+    assert "0.200-0.250 s (n=2)" in text
+    assert "per-pair ratio median 1.05x (0.90-1.10x over 3 pairs)" in text
+    assert "outside populate took at most 1.0 ms" in text
+    assert "Other processes (kernel workers included) used 0.25 of 2 CPUs" in text
