@@ -26,6 +26,7 @@ from hostpool.locks import ForkSafeLock
 from hostpool.memory.create import backend_of, create_region, plan_fallback
 from hostpool.memory.hugepages import HugepagePlan, Kind, plan_hugepages
 from hostpool.memory.options import RegionOptions, validate_pool_name
+from hostpool.memory.populate import failure_from_oserror
 from hostpool.memory.region import Region, tensor_over
 from hostpool.records import capture_stack
 
@@ -410,8 +411,17 @@ def alloc_shm(
     """sglang's shape: (tensor, fd, mm). The fd is a dup the caller owns and closes;
     `mm.close()` is safe while the tensor lives (it unmaps with the last view)."""
     allocator = ShmHostTensorAllocator(pool, **options)
+    started = time.perf_counter()
     tensor, region = allocator._allocate(dims, dtype, "cpu")
-    fd = region.borrow_fd()
+    try:
+        fd = region.borrow_fd()
+    except OSError as exc:  # no fd left for the caller's copy: undo it, count the failure
+        nbytes = region.mapped_bytes
+        del tensor, region
+        allocator.close()
+        error = failure_from_oserror(exc, "alloc_shm: dup of the region's fd", nbytes)
+        allocator._failed(error, started)
+        raise error from exc
     mm = region.mmap()
     if fd is None or mm is None:  # cannot happen for a region just made; never hand out junk
         raise AllocationError("region vanished before it was handed out", reason="other")

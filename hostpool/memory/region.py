@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import mmap
 import os
@@ -190,15 +191,18 @@ class Region:
         """A dup of the Region's fd, verified to be the same inode, or None once released.
 
         fd numbers are reused by the kernel: nothing acts on a bare number after the
-        Region may have closed it. The caller closes the dup.
+        Region may have closed it. The caller closes the dup. Out of fds (EMFILE, ENFILE)
+        raises OSError: the region is still there, and the caller may free an fd and retry.
         """
         fd = self.fd
         if fd is None or self.dev_ino is None:
             return None
         try:
             dup = os.dup(fd)
-        except OSError:
-            return None
+        except OSError as exc:
+            if exc.errno == errno.EBADF:  # closed since self.fd was read
+                return None
+            raise
         st = os.fstat(dup)
         if (st.st_dev, st.st_ino) != self.dev_ino:
             os.close(dup)

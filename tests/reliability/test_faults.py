@@ -3,6 +3,7 @@ each ends in the typed error or the counted fallback it should, never a crash.""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -152,3 +153,74 @@ def test_hugetlb_cgroup_limit(root: None) -> None:
         assert "plain: hugepages True" in proc.stdout  # not a populate EFAULT, nor SIGBUS
     finally:
         os.rmdir(group)
+
+
+def test_out_of_fds_while_lending_one_is_an_error_not_a_release() -> None:
+    """borrow_fd at RLIMIT_NOFILE raises (the region is still there), not None (released);
+    alloc_shm out of fds for the caller's dup undoes the allocation and counts the failure."""
+    proc = _child(
+        """
+        import errno, json, os, resource, torch
+        from hostpool import AllocationError, ShmHostTensorAllocator, alloc_shm
+        from hostpool.lifecycle import get_ledger
+        from tests import helpers
+        a = ShmHostTensorAllocator("lend")
+        t = a.allocate((4096,), torch.uint8)
+        region = a.regions[0]
+        os.close(region.borrow_fd())  # warm
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        highest = max(int(n) for n in os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 8, hard))
+        ballast = []
+        while True:
+            try:
+                ballast.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                break
+        try:
+            region.borrow_fd()
+            print("lent?!")
+        except OSError as e:
+            print("borrow", errno.errorcode[e.errno])
+        os.close(ballast.pop())
+        dup = region.borrow_fd()
+        print("same inode", os.fstat(dup).st_ino == os.fstat(a.fd).st_ino)
+        os.close(dup)
+        while ballast:
+            os.close(ballast.pop())
+        a.close()
+        del t
+
+        warm, fd, mm = alloc_shm((4096,), torch.uint8, pool="lend2")  # warm the path
+        os.close(fd)
+        del warm, mm
+        for r in list(get_ledger().snapshot()):
+            get_ledger().release(r.id)
+        assert helpers.fd_links() == {}
+        seen = []
+        for extra in range(1, 8):
+            highest = max(int(n) for n in os.listdir("/proc/self/fd"))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (highest + extra, hard))
+            try:
+                got = alloc_shm((4096,), torch.uint8, pool="lend3")
+            except AllocationError as e:
+                seen.append([e.reason, "dup of the region" in str(e)])
+                assert [r for r in get_ledger().snapshot() if r.pool == "lend3"] == []
+                assert helpers.fd_links() == {}
+                continue
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            os.close(got[1])
+            break
+        print("seen", json.dumps(seen))
+        failures = get_ledger().counters()["failures_total"]
+        print("counted", failures.get(("lend3", "fd_limit"), 0), len(seen))
+        """
+    )
+    out = proc.stdout
+    assert "borrow EMFILE" in out and "same inode True" in out
+    seen = json.loads(out.split("seen ", 1)[1].splitlines()[0])
+    assert seen and all(reason == "fd_limit" for reason, _ in seen)
+    assert ["fd_limit", True] in seen  # the dup for the caller was the one refused
+    counted, failed = out.split("counted ", 1)[1].split()[:2]
+    assert counted == failed
