@@ -83,7 +83,8 @@ def test_a_target_missed_with_room_under_the_ceiling_blames_hostpool() -> None:
         }
     )
     line = next(x for x in text.splitlines() if x.startswith('Ceiling for "hostpool shm >= 1.5x'))
-    assert "the gap is hostpool's own" in line
+    assert "so the gap is not the kernel's share: it is hostpool's, or the samples' spread" in line
+    assert "(at 1 GiB, samples: hostpool shm 0.900-0.900 s" in line
 
 
 def test_met_targets_get_no_ceiling_line_and_missing_peers_are_named() -> None:
