@@ -43,9 +43,10 @@ here (one span per thread left hugetlb populate no faster than one thread).
 
 hostpool_shm_2mb and bare_hugetlb_madvise do the same work (the same madvise over the same
 threads and spans), so what tells them apart is smaller than the run-to-run noise. Each
-round runs them as SAME_WORK_PAIRS adjacent pairs (each pair in random order), giving them
-three times the samples; the target is judged like every other (ratio of the two medians),
-and each pair's own ratio is kept as well (`same_work_paired_ratios`).
+round runs them as SAME_WORK_PAIRS adjacent pairs, each side first in exactly half of a
+size's pairs (the first of a pair follows a random neighbour, the second its partner),
+giving them four times the samples; the target is judged like every other (ratio of the
+two medians), and each pair's own ratio is kept as well (`same_work_paired_ratios`).
 
 Page states (`--pages`), since on a VM the history of a page decides its fault cost:
   warm     every child faults in and frees n bytes just before timing (host-backed pages)
@@ -119,7 +120,7 @@ ORDER_SEED = 20261204
 # and spans: their difference is smaller than run-to-run noise, so each round runs them as
 # this many adjacent pairs, not once each.
 SAME_WORK = ("hostpool_shm_2mb", "bare_hugetlb_madvise")
-SAME_WORK_PAIRS = 3
+SAME_WORK_PAIRS = 4  # even: each side goes first equally often in every round set
 SGLANG_MODULE = "sglang.srt.mem_cache.storage.mmap.mmap_allocator"
 
 VARIANTS: dict[str, str] = {
@@ -626,14 +627,30 @@ def summarise(
     return out
 
 
-def round_order(rng: random.Random, active: list[str]) -> list[tuple[str, int | None]]:
+def first_of_pairs(rng: random.Random, runs: int) -> list[list[str]]:
+    """For each round, which SAME_WORK variant goes first in each of its pairs: each side
+    first in exactly half of all pairs of a size (shuffled). The first of a pair follows
+    whatever variant ran before, whose teardown can leave the kernel busy; the second
+    follows its partner. In the last run before this balance, the second of a pair ran up
+    to 20% faster, and a random draw had put hostpool first in 12 of 15 pairs."""
+    total = runs * SAME_WORK_PAIRS
+    firsts = [SAME_WORK[i % 2] for i in range(total)]
+    rng.shuffle(firsts)
+    return [firsts[r * SAME_WORK_PAIRS : (r + 1) * SAME_WORK_PAIRS] for r in range(runs)]
+
+
+def round_order(
+    rng: random.Random, active: list[str], firsts: list[str]
+) -> list[tuple[str, int | None]]:
     """One round's children as (variant, pair): every variant once, in random order, except
-    that when both SAME_WORK variants run they come as SAME_WORK_PAIRS adjacent pairs, each
-    pair in random order and placed at random like any other variant."""
+    that when both SAME_WORK variants run they come as adjacent pairs, `firsts[i]` first in
+    pair i, each pair placed at random like any other variant."""
     if not set(SAME_WORK) <= set(active):
         return [(v, None) for v in rng.sample(active, len(active))]
     units: list[list[tuple[str, int | None]]] = [[(v, None)] for v in active if v not in SAME_WORK]
-    units += [[(v, pair) for v in rng.sample(SAME_WORK, 2)] for pair in range(SAME_WORK_PAIRS)]
+    for pair, first in enumerate(firsts):
+        second = SAME_WORK[1] if first == SAME_WORK[0] else SAME_WORK[0]
+        units.append([(first, pair), (second, pair)])
     rng.shuffle(units)
     return [child for unit in units for child in unit]
 
@@ -779,9 +796,11 @@ def run_all(
 
             active = [v for v in variants if v not in skipped]
             rng = random.Random(ORDER_SEED)
+            firsts = {n: first_of_pairs(rng, runs) for n in sizes}
             for run in range(runs):
                 for n in sizes:
-                    for position, (variant, pair) in enumerate(round_order(rng, active)):
+                    order = round_order(rng, active, firsts[n][run])
+                    for position, (variant, pair) in enumerate(order):
                         if variant in HUGEPAGE_VARIANTS and reservation is not None:
                             reservation.top_up()
                         reporting = FreePageReporting().wait_quiet() if pages == "cold" else None
@@ -822,7 +841,11 @@ def run_all(
             "interleaving": "per round and size, variants in a new random order (seed "
             f"{ORDER_SEED}), so no variant keeps its place or the neighbour whose freed "
             "pages it meets",
-            "same_work": {"variants": list(SAME_WORK), "pairs_per_round": SAME_WORK_PAIRS},
+            "same_work": {
+                "variants": list(SAME_WORK),
+                "pairs_per_round": SAME_WORK_PAIRS,
+                "first_in_pair": "each side first in exactly half of a size's pairs",
+            },
             "timed": "allocate + populate + tensor creation; no interpreter or import time",
             "warmup_bytes": WARMUP_BYTES,
             "populate_threads": THREADS,

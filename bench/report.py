@@ -273,8 +273,8 @@ def _same_work(data: dict[str, Any]) -> list[str]:
         "",
         "hostpool's 2 MiB allocator and the bare kernel call make the same madvise over the "
         "same threads and 64 MiB spans, so they differ by less than run-to-run noise; each "
-        f"round runs them as {same['pairs_per_round']} adjacent pairs (each in random order) "
-        "for more samples, and the target is judged on the ratio of the medians as every "
+        f"round runs them as {same['pairs_per_round']} adjacent pairs, each side first in half "
+        "of them, for more samples, and the target is judged on the ratio of the medians as every "
         f"other: {'; '.join(spans)}{added if outside else ''}.",
     ]
 

@@ -17,6 +17,7 @@ from bench.populate import (
     TARGETS,
     VARIANTS,
     evaluate,
+    first_of_pairs,
     paired_ratios,
     round_order,
 )
@@ -100,11 +101,16 @@ def test_met_targets_get_no_ceiling_line_and_missing_peers_are_named() -> None:
     assert "sglang_alloc_mmap_parallel not run" in text
 
 
-def test_the_same_work_pair_runs_as_adjacent_pairs_in_random_order() -> None:
+def test_the_same_work_pair_runs_as_adjacent_pairs_each_side_first_equally() -> None:
     rng = random.Random(1)
-    seen_first: set[str] = set()
-    for _ in range(20):
-        order = round_order(rng, list(VARIANTS))
+    runs = 5
+    firsts = first_of_pairs(rng, runs)
+    assert [len(f) for f in firsts] == [SAME_WORK_PAIRS] * runs
+    flat = [v for f in firsts for v in f]
+    assert flat.count(SAME_WORK[0]) == flat.count(SAME_WORK[1])  # counterbalanced
+    went_first: list[str] = []
+    for run in range(runs):
+        order = round_order(rng, list(VARIANTS), firsts[run])
         names = [v for v, _ in order]
         for v in VARIANTS:
             assert names.count(v) == (SAME_WORK_PAIRS if v in SAME_WORK else 1)
@@ -112,13 +118,13 @@ def test_the_same_work_pair_runs_as_adjacent_pairs_in_random_order() -> None:
             at = [i for i, (_, p) in enumerate(order) if p == pair]
             assert len(at) == 2 and at[1] == at[0] + 1
             assert {names[i] for i in at} == set(SAME_WORK)
-            seen_first.add(names[at[0]])
-    assert seen_first == set(SAME_WORK)  # neither side always goes first
+            went_first.append(names[at[0]])
+    assert went_first == flat
 
 
 def test_without_both_sides_no_pairs_are_made() -> None:
     active = [v for v in VARIANTS if v != SAME_WORK[1]]
-    order = round_order(random.Random(2), active)
+    order = round_order(random.Random(2), active, [SAME_WORK[0]] * SAME_WORK_PAIRS)
     assert sorted(v for v, _ in order) == sorted(active)
     assert all(p is None for _, p in order)
 
