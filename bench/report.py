@@ -227,15 +227,21 @@ def _ceilings(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def _ranges(row: dict[str, Any], variants: tuple[str, ...], *, counts: bool = False) -> list[str]:
+    """'hostpool mmap 1.516-3.145 s' for each variant measured in this results row."""
+    out = []
+    for v in variants:
+        r = row["variants"].get(v, {})
+        if r.get("status") == "ok":
+            n = f" (n={len(r['samples_s'])})" if counts else ""
+            out.append(f"{POPULATE_SHORT.get(v, v)} {r['min_s']:.3f}-{r['max_s']:.3f} s{n}")
+    return out
+
+
 def _sample_ranges(data: dict[str, Any], size_bytes: int, variants: tuple[str, ...]) -> str:
     """'at 4 GiB, samples: hostpool mmap 1.516-3.145 s, ...' from the same run's results."""
     row = next(r for r in data["results"] if r["size_bytes"] == size_bytes)
-    ranges = [
-        f"{POPULATE_SHORT.get(v, v)} {r['min_s']:.3f}-{r['max_s']:.3f} s"
-        for v in variants
-        if (r := row["variants"].get(v, {})).get("status") == "ok"
-    ]
-    return f"at {row['size']}, samples: " + ", ".join(ranges)
+    return f"at {row['size']}, samples: " + ", ".join(_ranges(row, variants))
 
 
 def _same_work(data: dict[str, Any]) -> list[str]:
@@ -251,11 +257,7 @@ def _same_work(data: dict[str, Any]) -> list[str]:
         return []
     spans = []
     for row in data["results"]:
-        n = row["size_bytes"]
-        ranges = []
-        for v in pair:
-            secs = [s["seconds"] for s in samples if s["variant"] == v and s["bytes"] == n]
-            ranges.append(f"{POPULATE_SHORT[v]} {min(secs):.3f}-{max(secs):.3f} s (n={len(secs)})")
+        ranges = _ranges(row, pair, counts=True)
         ratios = row.get("same_work_paired_ratios", [])
         if ratios:
             ranges.append(

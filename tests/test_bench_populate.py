@@ -173,6 +173,8 @@ def test_the_same_work_line_gives_sample_ranges_and_per_pair_ratios() -> None:
     medians = {mine: 0.2, bare: 0.19, "torch_empty_zero": 0.9}
     results = [_row(medians)]
     results[0]["same_work_paired_ratios"] = [0.9, 1.1, 1.05]
+    results[0]["variants"][mine].update(min_s=0.2, max_s=0.25, samples_s=[0.2, 0.25])
+    results[0]["variants"][bare]["samples_s"] = [0.19]
     samples = [
         {"variant": v, "bytes": GiB, "seconds": s, "details": {"populate_seconds": s - 0.001}}
         for v, s in ((mine, 0.2), (mine, 0.25), (bare, 0.19))
