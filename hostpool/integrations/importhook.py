@@ -59,9 +59,19 @@ class PostImportHook(importlib.abc.MetaPathFinder):
 
 
 class _AfterLoader(importlib.abc.Loader):
+    """The module's real loader with one addition: `after(module)` once `exec_module`
+    has run. Everything else Python asks of a loader (`get_code` for `python -m`,
+    `get_source`, `get_resource_reader`, `is_package`, `get_filename`, `get_data`, ...)
+    is answered by the real loader, and the module and its spec hold the real loader
+    once it has executed."""
+
     def __init__(self, inner: Any, after: Callable[[types.ModuleType], None]) -> None:
         self._inner = inner
         self._after = after
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names this class does not define: the real loader answers.
+        return getattr(self._inner, name)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
         module: types.ModuleType | None = self._inner.create_module(spec)
