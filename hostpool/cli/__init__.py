@@ -1,8 +1,9 @@
-"""The `hostpool` command: serve, inspect, exporter, doctor.
+"""The `hostpool` command: serve, inspect, exporter, doctor, run.
 
 Exit codes: 0 ok, 1 runtime failure or failed check, 2 usage or bad input.
 Logs go to stderr, data to stdout. Each subcommand lives in its own module with
-`add_parser(subparsers)` and `run(args) -> int`.
+`add_parser(subparsers)` and `run(args) -> int`. The global flags (`--log-level`,
+`--log-format`) are accepted before or after the subcommand.
 """
 
 from __future__ import annotations
@@ -43,18 +44,28 @@ def _version() -> str:
         return "unknown"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="hostpool", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"hostpool {_version()}")
+def _global_flags(parser: argparse.ArgumentParser, *, default: bool) -> None:
+    """--log-level / --log-format. On subcommands their default is SUPPRESS, so a flag
+    given after the subcommand overrides the top-level value and its absence does not."""
+
+    def dflt(value: str) -> str:
+        return value if default else argparse.SUPPRESS
+
     parser.add_argument(
-        "--log-level", default="info", type=str.lower, choices=LEVELS, help="default info"
+        "--log-level", default=dflt("info"), type=str.lower, choices=LEVELS, help="default info"
     )
     parser.add_argument(
         "--log-format",
-        default="auto",
+        default=dflt("auto"),
         choices=FORMATS,
         help="console or json lines on stderr (auto: console on a terminal, json otherwise)",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="hostpool", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"hostpool {_version()}")
+    _global_flags(parser, default=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for _name, module_name in SUBCOMMANDS.items():
         try:
@@ -64,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.add_parser(sub)
+    for subparser in sub.choices.values():
+        _global_flags(subparser, default=False)
     return parser
 
 
