@@ -36,7 +36,8 @@ def requested(value: str | None = None) -> tuple[list[str], list[str]]:
 def autoload() -> None:
     """Called by the `.pth` hook when HOSTPOOL_INSTRUMENT is set: install what it names.
     An unknown name is one line on stderr naming the known ones (never an exception: a
-    typo must not stop the server, and must not pass in silence either). Once per
+    typo must not stop the server, and must not pass in silence either). Each
+    instrumented process says so in one `hostpool.instrumented` info event. Once per
     process: some interpreters process a site directory's `.pth` files twice."""
     global _autoloaded
     if _autoloaded:
@@ -51,3 +52,7 @@ def autoload() -> None:
         )
     for name in known:
         importlib.import_module(KNOWN[name]).install()
+    if known:
+        from hostpool import events
+
+        events.info("hostpool.instrumented", integrations=",".join(known), pid=os.getpid())
