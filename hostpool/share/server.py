@@ -155,6 +155,7 @@ class PoolShareServer:
         if pool in peer.pools:
             return _refusal(f"pool {pool!r} is already attached on this connection")
         fds: list[int] = []
+        handed = False  # once the packets hold the fds, the loop's outbox closes them
         try:
             try:
                 manifest, named = self._borrow(peer, pool)
@@ -170,7 +171,9 @@ class PoolShareServer:
             except ShareError as exc:
                 return self._failed(peer, pool, str(exc))
             if grant.readonly:
-                fds = self._reopen_readonly(peer, fds)
+                # _reopen_readonly closes the dups it is given, on every path
+                dups, fds = fds, []
+                fds = self._reopen_readonly(peer, dups)
             if grant.reason is not None:  # an unsealed region is news; a policy is not
                 events.emit(
                     "hostpool.share_readonly",
@@ -181,9 +184,11 @@ class PoolShareServer:
                     reason=grant.reason,
                 )
             packets = self._packets(pool, manifest, fds, grant)
-        except BaseException:
-            protocol.close_all(fds)
-            raise
+            handed = True
+        finally:
+            # Every refusal and failure above returns or raises with borrowed fds open.
+            if not handed:
+                protocol.close_all(fds)
         ids = [m["id"] for m in manifest]
         peer.pools[pool] = ids
         with self._lock:

@@ -9,11 +9,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import subprocess
+import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,3 +145,85 @@ def record(attack: str, **figures: object) -> None:
     """One attack's figures, into bench/results/share-attacks.json (make soak, or
     HOSTPOOL_RECORD_RESULTS=1)."""
     results.record("share-attacks", "attacks", attack, **figures)
+
+
+class Held:
+    """A forked process (as `uid`, if given) that ran `fn`, reported its JSON-able result
+    through a pipe, and keeps everything it made (fds, mappings, hugepages) until `end()`.
+
+    The result is read with a generous upper bound, never a sleep: the pipe is the event.
+    """
+
+    def __init__(self, fn: Callable[[], object], *, uid: int | None = None) -> None:
+        ready_r, ready_w = os.pipe()
+        stop_r, stop_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child
+            code = 0
+            try:
+                os.close(ready_r)
+                os.close(stop_w)
+                keep = {ready_w, stop_r}
+                for name in os.listdir("/proc/self/fd"):
+                    # A real peer holds none of the parent's fds.
+                    if int(name) > 2 and int(name) not in keep:
+                        with contextlib.suppress(OSError):
+                            os.close(int(name))
+                if "torch" in sys.modules:  # the parent's OpenMP pool does not survive fork
+                    sys.modules["torch"].set_num_threads(1)
+                if uid is not None:
+                    os.setgroups([])
+                    os.setgid(uid)
+                    os.setuid(uid)
+                result = fn()
+                os.write(ready_w, json.dumps({"result": result}).encode() + b"\n")
+                os.read(stop_r, 1)
+            except BaseException as exc:
+                with contextlib.suppress(OSError):
+                    os.write(ready_w, json.dumps({"error": repr(exc)}).encode() + b"\n")
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(ready_w)
+        os.close(stop_r)
+        self.pid, self._stop_w = pid, stop_w
+        chunks = []
+        deadline = time.monotonic() + 120
+        while not chunks or not chunks[-1].endswith(b"\n"):
+            ready, _, _ = select.select([ready_r], [], [], max(0.0, deadline - time.monotonic()))
+            data = os.read(ready_r, 65536) if ready else b""
+            if not data:
+                break
+            chunks.append(data)
+        os.close(ready_r)
+        report = json.loads(b"".join(chunks) or b'{"error": "no report"}')
+        if "error" in report:
+            self.end()
+            raise AssertionError(f"held process failed: {report['error']}")
+        self.result: Any = report["result"]
+
+    def end(self) -> int:
+        """Let the process exit; its exit code."""
+        if self._stop_w >= 0:
+            os.close(self._stop_w)
+            self._stop_w = -1
+        _, status = os.waitpid(self.pid, 0)
+        return os.waitstatus_to_exitcode(status)
+
+
+def process_fds(pid: int | str = "self") -> dict[int, str]:
+    """Every fd of a process, with its link target."""
+    out = {}
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            out[int(name)] = os.readlink(f"/proc/{pid}/fd/{name}")
+    return out
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Poll /proc-backed state until `predicate()`; `timeout` is only an upper bound."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {timeout} s: {what}")
+        time.sleep(0.01)
