@@ -6,6 +6,13 @@ pages SIGBUSes the owner. So:
 - writable access goes only to uids granted it (the server's own uid, which could open
   /proc/PID/fd/N itself anyway, and `writable_uids`), and only for memfds the kernel
   reports sealed against shrinking (F_GET_SEALS, not what the Region recorded);
+- hugetlb-backed regions are never shared writable: F_SEAL_SHRINK does not stop
+  `fallocate(PUNCH_HOLE)`, and a peer that punches a hole and takes the freed hugepages
+  makes the owner's next touch a SIGBUS (normal shmem refaults a fresh page instead).
+  Measured on Linux 6.18: the only seal that stops punching while the owner keeps its
+  writable mapping, F_SEAL_FUTURE_WRITE, also refuses every new writable mapping, so
+  no writable share of a hugetlb region can be made safe (an O_RDONLY fd cannot punch:
+  EBADF);
 - everything else is read-only: an O_RDONLY fd, which cannot ftruncate, of an inode the
   peer cannot reopen writable through /proc/self/fd/N (owned by this uid, 0600; memfds
   are fchmod-ed so at creation). A region whose mode would let the peer reopen it
@@ -19,6 +26,7 @@ peer keeps, not a wall: they could reach the memory through /proc/PID/fd anyway.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 from collections.abc import Iterable
@@ -27,6 +35,10 @@ from dataclasses import dataclass
 from hostpool.errors import ShareError
 
 SHRINK_SEAL = fcntl.F_SEAL_SHRINK
+F_SEAL_FUTURE_WRITE = 0x10  # not in Python 3.11's fcntl
+PUNCH_SEALS = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE  # what stops fallocate(PUNCH_HOLE)
+HUGETLBFS_MAGIC = 0x958458F6
+_STATFS_BYTES = 256  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
 
 
 @dataclass(frozen=True)
@@ -58,9 +70,13 @@ class AccessPolicy:
             grant = Grant(True, f"uid {uid} is not granted write access")
         else:
             unsafe = next((why for name, fd in fds if (why := shrinkable(name, fd))), None)
-            if unsafe is not None and access == "write":
-                raise ShareError(f"writable sharing refused: {unsafe}")
-            grant = Grant(unsafe is not None, unsafe, unsafe is not None)
+            huge = next((why for name, fd in fds if (why := punchable(name, fd))), None)
+            if (unsafe or huge) is not None and access == "write":
+                raise ShareError(f"writable sharing refused: {unsafe or huge}")
+            if unsafe is not None:
+                grant = Grant(True, unsafe, unsafe=True)
+            else:  # a hugetlb pool is a normal configuration: read-only is not news
+                grant = Grant(huge is not None, huge)
         if grant.readonly and uid not in (self.owner, 0):
             for name, fd in fds:
                 st = os.fstat(fd)
@@ -87,3 +103,29 @@ def shrinkable(name: str, fd: int) -> str | None:
             "it and SIGBUS this process"
         )
     return None
+
+
+def is_hugetlb(fd: int) -> bool:
+    """Whether `fd` is a file on hugetlbfs (a hugetlb memfd), by fstatfs's f_type."""
+    buf = ctypes.create_string_buffer(_STATFS_BYTES)
+    if _libc.fstatfs(fd, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ctypes.c_long.from_buffer(buf).value == HUGETLBFS_MAGIC
+
+
+def punchable(name: str, fd: int) -> str | None:
+    """Why a peer holding this fd writable could SIGBUS its owner by punching holes, or
+    None: hugetlb regions, whose punched pages the peer can take before the owner
+    refaults them."""
+    if not is_hugetlb(fd):
+        return None
+    return (
+        f"region {name} is backed by hugetlb pages: a writable peer could punch a hole "
+        "(fallocate) and take the freed hugepages, and this process would SIGBUS at its next "
+        "touch; no seal stops that and keeps the region writable, so hugetlb pools are "
+        "shared read-only"
+    )
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
