@@ -108,7 +108,7 @@ sys.stdin.read()
     srv.send_signal(signal.SIGKILL)
     srv.wait()
     assert int(h.tensors[0][: 1 << 20].sum()) == 9 << 20  # still mapped, still readable
-    with pytest.raises(ConnectionError):
+    with pytest.raises(ShareError, match="gone"):
         h.list_pools()
     h.close()
     _wait(lambda: helpers.shmem_bytes() <= baseline + (16 << 20))

@@ -7,6 +7,7 @@ HOSTPOOL_RECORD_RESULTS=1)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import select
@@ -187,7 +188,7 @@ class Held:
         os.close(ready_w)
         os.close(stop_r)
         self.pid, self._stop_w = pid, stop_w
-        chunks = []
+        chunks: list[bytes] = []
         deadline = time.monotonic() + 120
         while not chunks or not chunks[-1].endswith(b"\n"):
             ready, _, _ = select.select([ready_r], [], [], max(0.0, deadline - time.monotonic()))
@@ -227,3 +228,82 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 60.0) 
         if time.monotonic() > deadline:
             raise AssertionError(f"not reached within {timeout} s: {what}")
         time.sleep(0.01)
+
+
+F_SEAL_FUTURE_WRITE = 0x10
+SEALED = 0x1 | 0x2 | 0x4  # F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW
+MFD_HUGE_2MB = 21 << 26
+
+
+def rogue_memfd(
+    size: int, *, seals: int = SEALED, hugetlb: bool = False, fill: bool = False
+) -> int:
+    """A memfd as a hostile server makes it: any size (sparse unless `fill`), any seals."""
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+    if hugetlb:
+        flags |= os.MFD_HUGETLB | MFD_HUGE_2MB
+    fd = os.memfd_create("rogue", flags)
+    os.ftruncate(fd, size)
+    if fill:
+        import mmap
+
+        with mmap.mmap(fd, size) as mm:
+            mm.madvise(23)  # MADV_POPULATE_WRITE
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+class RogueServer:
+    """A share server that is not hostpool's: a forked process (as `uid`, if given) that
+    binds `path` and answers every attach with `head` and the fds `make_fds()` returns,
+    whatever was asked, and holds each connection until the client hangs up."""
+
+    def __init__(
+        self,
+        path: str,
+        head: dict[str, Any],
+        make_fds: Callable[[], list[int]],
+        *,
+        uid: int | None = None,
+    ) -> None:
+        def serve() -> str:
+            import socket
+            import threading
+
+            from hostpool.share import protocol
+
+            fds = make_fds()
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            listener.bind(path)
+            listener.listen(8)
+
+            def loop() -> None:
+                while True:
+                    conn, _ = listener.accept()
+                    with contextlib.suppress(OSError), conn:
+                        protocol.receive(conn)
+                        protocol.send(conn, head)
+                        if fds:
+                            protocol.send(conn, {"op": "fds", "index": 0}, fds)
+                        conn.recv(1)  # until the client hangs up
+
+            threading.Thread(target=loop, daemon=True).start()
+            return "ready"
+
+        self._held = Held(serve, uid=uid)
+
+    def stop(self) -> None:
+        assert self._held.end() == 0
+
+
+def rogue_head(regions: list[dict[str, Any]], *, readonly: bool = True) -> dict[str, Any]:
+    """An attach reply in the protocol's shape, one fd packet."""
+    return {"ok": True, "readonly": readonly, "reason": None, "regions": regions, "fd_packets": 1}
+
+
+def dir_of(uid: int, parent: str) -> str:
+    """A directory under `parent` that belongs to `uid` (where its server binds)."""
+    path = tempfile.mkdtemp(prefix=f"uid{uid}-", dir=parent)
+    os.chown(path, uid, uid)
+    os.chmod(path, 0o755)
+    return path

@@ -17,6 +17,8 @@ import ctypes
 import errno
 import mmap
 import os
+import socket
+import subprocess
 
 import pytest
 
@@ -105,9 +107,7 @@ def _attack(path: str) -> dict[str, object]:
 KEEP: list[object] = []
 
 
-def socket_to(path: str) -> object:
-    import socket
-
+def socket_to(path: str) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     s.settimeout(30)
     s.connect(path)
@@ -135,18 +135,20 @@ def test_a_writable_peer_cannot_sigbus_a_hugetlb_owner(public_dir: str, hugepage
         assert result["any_reopen"] == "EACCES", result
         assert result["grabbed_hugepages"] >= 1, result  # the pool was taken dry
     finally:
-        owner.stdin.close()  # type: ignore[union-attr]
+        assert owner.stdin is not None and owner.stdout is not None
+        owner.stdin.close()
         code = owner.wait(timeout=60)
-        owner.stdout.close()  # type: ignore[union-attr]
+        owner.stdout.close()
     assert code == 0, f"owner exit status {code}"
 
 
-def _touch(owner: object) -> int | None:
-    proc = owner
+def _touch(owner: subprocess.Popen[str]) -> int | None:
+    """Make the owner read every page of its pool: the sum, or None if it died."""
+    assert owner.stdin is not None and owner.stdout is not None
     try:
-        proc.stdin.write("touch\n")  # type: ignore[attr-defined]
-        proc.stdin.flush()  # type: ignore[attr-defined]
+        owner.stdin.write("touch\n")
+        owner.stdin.flush()
     except BrokenPipeError:
         return None
-    line = proc.stdout.readline()  # type: ignore[attr-defined]
+    line = owner.stdout.readline()
     return int(line) if line.strip() else None
