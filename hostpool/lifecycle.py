@@ -35,8 +35,6 @@ from hostpool.records import AllocationRecord, record_of
 
 # Births and deaths queued before the hot path settles them itself.
 _SETTLE_EVERY = 256
-# Duration observations kept for a multiprocess publisher between two publishes.
-_OBSERVATIONS_MAX = 1 << 20
 
 # hostpool_allocation_duration_seconds buckets: 1 ms .. 10 min.
 DURATION_BUCKETS = (
@@ -105,11 +103,6 @@ class Ledger:
         self.fallbacks_total: collections.Counter[tuple[str, str]] = collections.Counter()
         self.fd_reuse_skips: collections.Counter[str] = collections.Counter()
         self.durations: dict[str, _Histogram] = {}
-        # Raw (pool, seconds) observations for a publisher that replays them (multiprocess).
-        # In prometheus_client's multiprocess mode a publisher will want them all.
-        self._observations: list[tuple[str, float]] | None = (
-            [] if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
-        )
         # Weak registries: a budget or share server that is dropped drops out of them.
         self._budgets: weakref.WeakSet[Any] = weakref.WeakSet()
         self._share_sources: list[weakref.WeakMethod[Callable[[], dict[str, int]]]] = []
@@ -201,21 +194,6 @@ class Ledger:
             out.update(source())
         return dict(out)
 
-    # -- duration observations (multiprocess publisher) --------------------------------
-    def log_durations(self) -> None:
-        """Keep raw duration observations from now on, for `take_durations()`."""
-        with self._locked():
-            if self._observations is None:
-                self._observations = []
-
-    def take_durations(self) -> list[tuple[str, float]]:
-        """The (pool, seconds) observations made since the last call."""
-        with self._locked():
-            taken = self._observations or []
-            if self._observations is not None:
-                self._observations = []
-            return taken
-
     # -- recording -------------------------------------------------------------------
     def add_pool(self, pool: str) -> None:
         with self._locked():
@@ -262,9 +240,6 @@ class Ledger:
             if histogram is None:
                 histogram = self.durations[pool] = _Histogram()
             histogram.observe(entry.seconds)
-            log = self._observations
-            if log is not None and len(log) < _OBSERVATIONS_MAX:
-                log.append((pool, entry.seconds))
 
     def _count_live(self, entry: _Entry, sign: int) -> None:
         r = entry.region
@@ -453,8 +428,6 @@ class Ledger:
         ):
             counter.clear()
         self.durations = {}
-        if self._observations is not None:
-            self._observations = []
 
 
 def _notify_gone(

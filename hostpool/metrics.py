@@ -10,9 +10,10 @@ names as plain metrics with explicit `multiprocess_mode`, refreshed by a thread.
 from __future__ import annotations
 
 import functools
+import os
 import time
 import weakref
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -35,7 +36,9 @@ from hostpool.memory.hugepages import FALLBACK_REASONS
 from hostpool.units import format_size
 
 POPULATE_MODES = ("madvise", "map_populate", "touch", "none")
-RELEASE_HOWS = ("explicit", "finalizer")
+RELEASE_HOWS = ("explicit", "tensor", "finalizer")
+# Why a multiprocess publish failed: the errno families an operator can act on, else other.
+PUBLISH_ERROR_KINDS = ("fd_limit", "no_space", "permission", "os_error", "other")
 
 # name -> (type, labels, help). The catalogue in metrics/README.md is checked against it.
 METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
@@ -69,7 +72,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "hostpool_releases": (
         "counter",
         ("pool", "how"),
-        "Regions released: explicit, or finalizer (collected by GC: the leak signal).",
+        "Regions released: explicit (close(), release(), mm.close()); tensor (handed to "
+        "its tensor by contract and ended with it: normal); finalizer (an owner that should "
+        "have released it was collected first: the leak signal).",
     ),
     "hostpool_hugepage_fallbacks": (
         "counter",
@@ -110,6 +115,13 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Free minus reserved hugetlb pages per page size.",
     ),
     "hostpool_attached_clients": ("gauge", ("pool",), "Peers holding the pool through share."),
+    "hostpool_publish_errors": (
+        "counter",
+        ("kind",),
+        "Multiprocess publishes that failed, by kind: "
+        + ", ".join(PUBLISH_ERROR_KINDS)
+        + "; the publisher retries at its next interval.",
+    ),
     "hostpool_scrape_duration_seconds": ("gauge", (), "Time this collector took."),
     "hostpool_build_info": ("gauge", ("version",), "hostpool's version; always 1."),
 }
@@ -248,8 +260,37 @@ def measure(ledger: Ledger) -> dict[str, dict[tuple[str, ...], Any]]:
         out["hostpool_hugepages_free"][(format_size(size),)] = float(hp.available)
     for pool, n in ledger.attached_clients().items():
         out["hostpool_attached_clients"][(pool,)] = float(n)
+    with _publish_errors_lock:
+        for kind in PUBLISH_ERROR_KINDS:
+            out["hostpool_publish_errors"][(kind,)] = float(_publish_errors[kind])
     out["hostpool_build_info"][(__version__,)] = 1.0
     return out
+
+
+# Failed multiprocess publishes of this process, by kind (hostpool.multiprocess counts them;
+# they live here so every exposition path shows them).
+_publish_errors: Counter[str] = Counter()
+_publish_errors_lock = ForkSafeLock()
+
+
+def count_publish_error(kind: str) -> None:
+    """Count one failed multiprocess publish (`kind` from PUBLISH_ERROR_KINDS)."""
+    with _publish_errors_lock:
+        _publish_errors[kind if kind in PUBLISH_ERROR_KINDS else "other"] += 1
+
+
+def publish_errors() -> dict[str, int]:
+    """This process's failed publishes by kind (every kind present, zero included)."""
+    with _publish_errors_lock:
+        return {kind: _publish_errors[kind] for kind in PUBLISH_ERROR_KINDS}
+
+
+def _reset_publish_errors_in_child() -> None:
+    # A forked child counts its own publishes (its lock is already a fresh one).
+    _publish_errors.clear()
+
+
+os.register_at_fork(after_in_child=_reset_publish_errors_in_child)
 
 
 @functools.lru_cache(maxsize=16)

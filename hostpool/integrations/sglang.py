@@ -53,7 +53,6 @@ _replacements: dict[int, tuple[Any, Any]] = {}
 _patched_attrs: list[tuple[types.ModuleType, str, Any]] = []
 _patched_classes: list[tuple[type, str, Any]] = []
 _host_kv_cache: type | None = None
-_publisher_started = False
 
 
 def installed() -> bool:
@@ -509,19 +508,9 @@ def release_pool(pool: Any) -> None:
 
 # -- metrics where sglang serves them ---------------------------------------------------
 def _started() -> None:
-    """At the first tracked allocation of a process: the multiprocess publisher, when
-    sglang runs prometheus_client in multiprocess mode."""
-    global _publisher_started
-    if _publisher_started:
-        return
-    with _lock:
-        if _publisher_started:
-            return
-        _publisher_started = True
-        import os
+    """After each tracked allocation: this process's multiprocess publisher, when sglang
+    runs prometheus_client in multiprocess mode (started once per process, forked children
+    included). Never raises: publishing must not fail an allocation that succeeded."""
+    from hostpool.multiprocess import ensure_publisher
 
-        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            return
-        from hostpool.multiprocess import MultiprocessPublisher
-
-        MultiprocessPublisher().start()
+    ensure_publisher()
