@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 
-.PHONY: run test test-fast lint bench soak dashboards prometheus clean
+.PHONY: run test test-fast lint bench soak dashboards prometheus vllm-venv clean
 
 $(STAMP): pyproject.toml setup.py hostpool-instrument.pth requirements/sglang-test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,28 @@ $(STAMP): pyproject.toml setup.py hostpool-instrument.pth requirements/sglang-te
 	$(PY) -m pip install -q --no-deps -c <(echo "$(TORCH_SPEC)") -r requirements/sglang-test.txt
 	touch $(STAMP)
 
+# The real vLLM for tests/vllm (~3.5 GB, ~2.5 min): its own venv, CPU torch pinned, hostpool
+# editable (it follows the working tree) with its runtime dependencies, vLLM's pins frozen.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+
+$(VLLM_STAMP): requirements/vllm-test.txt pyproject.toml setup.py hostpool-instrument.pth
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q -c <(echo "$(TORCH_SPEC)") -r requirements/vllm-test.txt
+	# torchvision's wheels link libtorch_cuda: with them `import vllm` fails on CPU torch.
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -m pip freeze --exclude-editable > $(VLLM_VENV)/frozen.txt
+	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/frozen.txt $$($(VLLM_PY) -c \
+	  'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
+	$(VLLM_PY) -c 'import vllm, hostpool.integrations.vllm'
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
 # promtool and prometheus (Debian's package, 2.42) for the rules and end-to-end tests.
 prometheus:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
@@ -28,7 +50,7 @@ prometheus:
 run: $(STAMP)
 	exec $(VENV)/bin/hostpool serve $(SERVE_ARGS)
 
-test: $(STAMP) prometheus
+test: $(STAMP) $(VLLM_STAMP) prometheus
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
@@ -62,4 +84,4 @@ dashboards: $(STAMP)
 	$(PY) dashboards/build.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
