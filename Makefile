@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 
-.PHONY: run test test-fast lint bench soak dashboards prometheus vllm-venv clean
+.PHONY: run test test-fast lint bench soak dashboards prometheus sglang-libs vllm-venv clean
 
 $(STAMP): pyproject.toml setup.py hostpool-instrument.pth requirements/sglang-test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ $(VLLM_STAMP): requirements/vllm-test.txt pyproject.toml setup.py hostpool-instr
 
 vllm-venv: $(VLLM_STAMP)
 
+# libibverbs, which the real mooncake allocator (sglang's foreign-allocator tests) links.
+sglang-libs:
+	@test -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 || ldconfig -p | grep -q 'libibverbs\.so\.1 ' || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null; }
+
 # promtool and prometheus (Debian's package, 2.42) for the rules and end-to-end tests.
 prometheus:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
@@ -50,10 +55,10 @@ prometheus:
 run: $(STAMP)
 	exec $(VENV)/bin/hostpool serve $(SERVE_ARGS)
 
-test: $(STAMP) $(VLLM_STAMP) prometheus
+test: $(STAMP) $(VLLM_STAMP) prometheus sglang-libs
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) sglang-libs
 	$(PY) -m pytest -x -q -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)

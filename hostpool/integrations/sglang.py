@@ -5,13 +5,19 @@ points *by name* into many modules. `install()` replaces every module attribute 
 one of sglang's originals, in the modules already imported and, through an import hook,
 in every sglang module imported later, so a new module importing these names is covered:
 
-- `ShmHostTensorAllocator` / `HostTensorAllocator` (and `alloc_shm` / `alloc_mmap`):
-  subclasses of sglang's base allocator class whose memory comes from hostpool's memory
-  layer (memfd / anonymous mmap), every region in the ledger. `fd`/`mm` are the first of
-  `fds`/`mms` and stay valid for the allocator's life, as in sglang.
 - `get_allocator_from_storage`: sglang's own dispatch (fallbacks and warnings included);
-  allocators hostpool does not own (mooncake, tensorcast, mori, unknown) stay sglang's,
-  and their tensors are recorded as *foreign* regions (bytes, pool, kind; no fd).
+  where it picks sglang's own `HostTensorAllocator` / `ShmHostTensorAllocator`, hostpool's
+  stand-ins are handed out instead: subclasses of sglang's base allocator class whose
+  memory comes from hostpool's memory layer (memfd / anonymous mmap), every region in the
+  ledger. `fd`/`mm` are the first of `fds`/`mms` and stay valid for the allocator's life,
+  as in sglang. Allocators hostpool does not own (mooncake, tensorcast, mori, unknown)
+  stay sglang's, and their tensors are recorded as *foreign* regions (bytes, pool, kind;
+  no fd).
+- `alloc_shm` / `alloc_mmap` everywhere, and the two class names where a module imports
+  them to construct allocators (sglang's state capturer); not where sglang's own
+  subclasses look the base class up (the module that defines it, and a package that
+  re-exports it in `__all__`): mooncake's, UMBP's and tensorcast's allocator classes are
+  imported lazily, after `install()`, and must inherit sglang's class, not hostpool's.
 - `get_allocator_type`: sglang's answer, also with `server_args`; a malformed extra config
   adds a `hostpool.sglang.bad_extra_config` warning event and never raises.
 - `HostKVCache.destroy()` (and each override): after sglang's teardown the pool's regions
@@ -126,7 +132,7 @@ def _after_import(module: types.ModuleType) -> None:
         _host_kv_cache = getattr(module, "HostKVCache", None)
     for attr, value in list(vars(module).items()):
         pair = _replacements.get(id(value))
-        if pair is not None and pair[0] is value:
+        if pair is not None and pair[0] is value and not _exports(module, attr, value):
             setattr(module, attr, pair[1])
             _patched_attrs.append((module, attr, value))
     # ALLOC_MEMORY_FUNCS: entries already materialised by the defaultdict.
@@ -141,6 +147,16 @@ def _after_import(module: types.ModuleType) -> None:
 
 def _replace(original: Any, replacement: Any) -> None:
     _replacements[id(original)] = (original, replacement)
+
+
+def _exports(module: types.ModuleType, attr: str, value: Any) -> bool:
+    """Whether `module` is where sglang's code imports the class `value` from to subclass
+    it: the module that defines it, or a package re-exporting it in `__all__`. The name
+    stays sglang's there, so a subclass defined later (mooncake's, UMBP's, tensorcast's
+    allocators, imported lazily) inherits sglang's class whether or not hostpool is on."""
+    if not isinstance(value, type):
+        return False
+    return value.__module__ == module.__name__ or attr in getattr(module, "__all__", ())
 
 
 # -- pool labels ------------------------------------------------------------------------
@@ -259,11 +275,31 @@ def _build_common_replacements(common: types.ModuleType) -> None:
     tracked = (default_cls, shm_cls)
 
     def get_allocator_from_storage(allocator_type: Any) -> Any:
-        """sglang's dispatch; what hostpool does not own is tracked as foreign."""
+        """sglang's dispatch. Where it picks one of sglang's own two classes (its
+        fallbacks included), hostpool's stand-in; any other allocator stays sglang's and
+        its tensors are tracked as foreign."""
         allocator = factory(allocator_type)
+        # Exact types: a subclass of sglang's classes is someone else's allocator.
+        if type(allocator) is base:
+            return default_cls()
+        if type(allocator) is shm_base:
+            return shm_cls()  # sglang's has made nothing yet: no fd to close
         if not isinstance(allocator, tracked):
             _track_foreign(allocator, str(allocator_type))
         return allocator
+
+    hip_check = names.get("_uses_hip_owned_host_memory")
+    if callable(hip_check):
+
+        def uses_hip_owned_host_memory(pin_memory: bool, allocator: Any) -> bool:
+            """sglang's ROCm check (`type(allocator) is HostTensorAllocator`), answering
+            for hostpool's default allocator as for sglang's own."""
+            if type(allocator) is default_cls:
+                allocator = base()
+            return bool(hip_check(pin_memory=pin_memory, allocator=allocator))
+
+        uses_hip_owned_host_memory.__wrapped__ = hip_check  # type: ignore[attr-defined]
+        _replace(hip_check, uses_hip_owned_host_memory)
 
     def get_allocator_type(server_args: Any = None) -> str:
         """sglang's answer: from its published config, or from `server_args`."""
@@ -344,8 +380,10 @@ def _allocator_classes(base: type) -> tuple[type, type]:
 
         def _hostpool(self, pool: str) -> allocators.HostTensorAllocator:
             if self.hostpool_allocator is None:
+                # Retaining: the pool's destroy() releases; a pool dropped without it
+                # is the leak signal (`finalizer`), not a tensor's normal end.
                 self.hostpool_allocator = allocators.create_allocator(
-                    self.hostpool_kind, pool=pool, **mmap_options()
+                    self.hostpool_kind, pool=pool, retain=True, **mmap_options()
                 )
             return self.hostpool_allocator
 
@@ -362,8 +400,8 @@ def _allocator_classes(base: type) -> tuple[type, type]:
         for the allocator's life, `fd`/`mm` are the first. Collected without `destroy()`:
         its regions go through the ledger's finalizer (the leak signal); no fd is closed
         behind the ledger's back. It does not inherit sglang's shm class, whose `__del__`
-        closes the fds (the ledger's own); install() replaces that class by identity
-        wherever sglang names it, so sglang's code only ever meets this one."""
+        closes the fds (the ledger's own); sglang's dispatch hands out this one instead
+        (and install() names it where sglang's state capturer constructs allocators)."""
 
         hostpool_kind = "shm"
 

@@ -265,9 +265,11 @@ def test_alloc_shm_replacement_hands_the_caller_its_own_fd(
     "allocator_type", [None, "", "default", "shm", "mooncake", "mori", "tensorcast", "file", 3]
 )
 def test_get_allocator_from_storage_answers_like_sglang(sglang: Any, allocator_type: Any) -> None:
-    """Same dispatch, fallbacks and errors (mooncake and mori are not installed: sglang
-    falls back to its default; tensorcast needs sglang's runtime config: both raise)."""
-    ours = sys.modules[COMMON].get_allocator_from_storage
+    """Same dispatch, fallbacks and errors (mori is not installed: sglang falls back to
+    its default; tensorcast needs sglang's runtime config: it raises). Where sglang picks
+    one of its own two classes, hostpool's stand-in for it; any other stays sglang's."""
+    common = sys.modules[COMMON]
+    ours = common.get_allocator_from_storage
     try:
         theirs = ours.__wrapped__(allocator_type)
     except Exception as exc:
@@ -275,7 +277,12 @@ def test_get_allocator_from_storage_answers_like_sglang(sglang: Any, allocator_t
             ours(allocator_type)
         return
     got = ours(allocator_type)
-    assert type(got) is type(theirs)
+    stand_in = {common.HostTensorAllocator: "mmap", common.ShmHostTensorAllocator: "shm"}
+    if type(theirs) in stand_in:
+        assert got.hostpool_kind == stand_in[type(theirs)]
+        assert type(got).__module__ == integration.__name__
+    else:
+        assert type(got) is type(theirs)
     assert isinstance(got, sglang_base_allocator())
 
 
@@ -322,40 +329,77 @@ def test_get_allocator_type_answers_like_sglang(sglang: Any, backend: Any, extra
 
 
 # -- foreign allocators --------------------------------------------------------------------
-def test_a_foreign_allocator_stays_sglangs_and_is_recorded(
-    sglang: Any, monkeypatch: pytest.MonkeyPatch, no_leaked_fds: None
+SGLANG_BASE = f"{COMMON}.HostTensorAllocator"
+MOONCAKE_CLASS = (
+    "sglang.srt.mem_cache.storage.mooncake_store.mooncake_store.MooncakeHostTensorAllocator"
+)
+
+
+@pytest.mark.parametrize("activation", ["env", "install"])
+def test_foreign_allocators_imported_after_install_keep_sglangs_base_and_are_recorded(
+    activation: str,
 ) -> None:
-    """mooncake is not installable here: a module of its name with an allocator class
-    stands in, found by sglang's own import in `get_allocator_from_storage`."""
-    base = sglang_base_allocator()
-    made: list[torch.Tensor] = []
+    """Issue 26 point 3. sglang imports mooncake's, UMBP's and tensorcast's allocator
+    classes lazily, after the integration is on: they must inherit sglang's own base class
+    (while installed and after uninstall), and the real mooncake allocator's tensor (its
+    memfd `mooncake_shm`) is a foreign record of the pool, released by `destroy()`. A
+    fresh process: nothing there imported those classes before the integration."""
+    env = {k: v for k, v in os.environ.items() if k != "HOSTPOOL_INSTRUMENT"}
+    if activation == "env":
+        env["HOSTPOOL_INSTRUMENT"] = "sglang"
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.sglang.foreign_child", activation],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "hostpool/" not in out.stderr, out.stderr[-4000:]  # no traceback of ours
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["installed"] is True
+    assert got["imported_before"] == []
+    assert got["base"] == SGLANG_BASE
+    assert got["allocator_class"] == MOONCAKE_CLASS
+    every = {"mooncake": SGLANG_BASE, "umbp": SGLANG_BASE, "tensorcast": SGLANG_BASE}
+    assert got["bases_while_installed"] == every
+    # The real mooncake library mapped it; hostpool describes it (no fd of its own).
+    assert got["buffer_mapping"] == "/memfd:mooncake_shm"
+    assert got["records"] == [
+        {"backend": "foreign", "allocator": "mooncake", "fd": None,
+         "address": got["buffer_address"]}
+    ]  # fmt: skip
+    assert got["gauge"] == got["buffer_bytes"] > 0
+    # Without mori, sglang falls back to its own default allocator: hostpool's stand-in.
+    assert got["mori_fallback_tracked"] == "mmap"
+    assert got["records_after_destroy"] == 0
+    assert got["releases"] == {"explicit": 1}
+    assert got["base_after_uninstall"] == SGLANG_BASE
+    assert got["bases_after_uninstall"] == every
 
-    class MooncakeHostTensorAllocator(base):  # type: ignore[misc,valid-type]
-        def allocate(self, dims: Any, dtype: torch.dtype, device: str) -> torch.Tensor:
-            tensor = torch.zeros(dims, dtype=dtype)
-            made.append(tensor)
-            return tensor
 
-    name = "sglang.srt.mem_cache.storage.mooncake_store.mooncake_store"
-    stand_in = types.ModuleType(name)
-    stand_in.MooncakeHostTensorAllocator = MooncakeHostTensorAllocator  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, name, stand_in)
-    pool = pools.mha("layer_first", "mooncake", "mha_mooncake")
-    assert type(pool.allocator) is MooncakeHostTensorAllocator
-    records = _records("mha_mooncake")
-    assert [(r.backend, r.allocator, r.fd) for r in records] == [("foreign", "mooncake", None)]
-    assert records[0].address == made[0].data_ptr()
-    assert _pool_bytes("mha_mooncake") == made[0].numel() * made[0].element_size()
-    pool.destroy()
-    made.clear()
-    del pool
-    gc.collect()
-    assert _records("mha_mooncake") == []
-    assert _releases("mha_mooncake") == {"explicit": 1}
+def test_rocm_host_memory_check_answers_for_hostpools_default_as_for_sglangs(
+    sglang: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sglang allocates ROCm host pools of its own default allocator with hipHostMalloc
+    (`type(allocator) is HostTensorAllocator`); hostpool's stand-in keeps that answer."""
+    common = sys.modules[COMMON]
+    monkeypatch.setattr(common, "_is_hip", True)
+    monkeypatch.setenv("HSA_USERPTR_FOR_PAGED_MEM", "0")
+    check = common._uses_hip_owned_host_memory
+    original = check.__wrapped__
+    ours = common.get_allocator_from_storage("default")
+    assert ours.hostpool_kind == "mmap"
+    assert original(pin_memory=True, allocator=sglang_base_allocator()()) is True
+    assert check(pin_memory=True, allocator=ours) is True
+    assert check(pin_memory=False, allocator=ours) is False
+    # sglang's shm allocator owns its backing (memfds): neither it nor hostpool's is.
+    assert original(pin_memory=True, allocator=common.ShmHostTensorAllocator()) is False
+    assert check(pin_memory=True, allocator=common.get_allocator_from_storage("shm")) is False
 
 
 def sglang_base_allocator() -> type:
-    return sys.modules[COMMON].HostTensorAllocator.__mro__[1]  # type: ignore[no-any-return]
+    """sglang's own base allocator class: install() leaves its name alone in `common`."""
+    base = sys.modules[COMMON].HostTensorAllocator
+    assert f"{base.__module__}.{base.__qualname__}" == SGLANG_BASE
+    return base  # type: ignore[no-any-return]
 
 
 # -- a spawned child, activated by the environment alone ----------------------------------
