@@ -349,3 +349,62 @@ def test_builtin_allocator_names_match_the_registry() -> None:
     )
     assert fresh.stdout.strip() == str(sorted(BUILTIN_ALLOCATORS))
     assert set(BUILTIN_ALLOCATORS) <= set(allocator_names())
+
+
+def _share_socket_problem(tmp_path: os.PathLike[str], problem: str) -> tuple[str, str, object]:
+    """A share-socket path with `problem`, what the error names, and what keeps it so."""
+    keep: object = None
+    if problem == "in-use":
+        path = os.path.join(tmp_path, "live.sock")
+        live = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        live.bind(path)
+        live.listen()
+        return path, "already listening", live
+    if problem == "too-long":
+        return os.path.join(tmp_path, "x" * 120 + ".sock"), "at most 107", keep
+    if problem == "proc":
+        return "/proc/hostpool-test/share.sock", "/proc", keep
+    if problem == "proc-dir":
+        return "/proc/share.sock", "procfs", keep
+    path = os.path.join(tmp_path, "file.sock")
+    with open(path, "w") as f:
+        f.write("not a socket")
+    return path, "not a socket", keep
+
+
+SHARE_SOCKET_PROBLEMS = ["in-use", "too-long", "proc", "proc-dir", "not-a-socket"]
+
+
+@pytest.mark.parametrize("problem", SHARE_SOCKET_PROBLEMS)
+def test_share_socket_problems_fail_check_in_one_line(
+    tmp_path: os.PathLike[str], problem: str
+) -> None:
+    path, names, keep = _share_socket_problem(tmp_path, problem)
+    try:
+        proc = hostpool("serve", "--check", "--port", "0", "--pool", "kv=1MiB",
+                        "--share-socket", path)  # fmt: skip
+    finally:
+        if isinstance(keep, socket.socket):
+            keep.close()
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    assert names in proc.stderr and "share" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("problem", SHARE_SOCKET_PROBLEMS)
+def test_share_socket_problems_are_found_before_any_populate(
+    tmp_path: os.PathLike[str], problem: str
+) -> None:
+    path, names, keep = _share_socket_problem(tmp_path, problem)
+    try:
+        proc = hostpool("serve", "--port", "0", "--pool", "kv=1MiB", "--share-socket", path,
+                        importtime=True)  # fmt: skip
+    finally:
+        if isinstance(keep, socket.socket):
+            keep.close()
+    assert proc.returncode == 2, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert len(said) == 1 and names in said[0], said
+    assert not imported_torch(proc.stderr)  # refused before torch, let alone a page
+    assert log_events(proc.stderr) == []

@@ -16,7 +16,7 @@ from types import FrameType
 from typing import Any
 
 from hostpool import events
-from hostpool.errors import AllocationError, Cancelled, ConfigError, HostPoolError
+from hostpool.errors import AllocationError, Cancelled, ConfigError, HostPoolError, ShareError
 from hostpool.serve import config as serve_config
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -60,7 +60,9 @@ def add_parser(sub: Any) -> None:
         metavar="PATH",
         help="also share the pools with other processes over a Unix socket at PATH (e.g. "
         "/run/hostpool/share.sock); peers call hostpool.share.attach(PATH, POOL). A missing "
-        "parent directory is created private (0700); an existing one is left as it is",
+        "parent directory is created private (0700); an existing one is left as it is. A "
+        "path that cannot be used (too long, in use, on /proc) is refused before any pool "
+        "is allocated, and by --check (exit 2)",
     )
     p.add_argument("--demo-load", action="store_true", help="run a demo workload")
     p.add_argument(
@@ -148,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
     except AllocationError as exc:
         print(f"hostpool serve: {exc}", file=sys.stderr)
         return 1
+    except ShareError as exc:  # a live server at the share socket: bad input, as a busy port
+        print(f"hostpool serve: {exc}", file=sys.stderr)
+        return 2
     sock = listener.bind(cfg.host, cfg.port)
     if args.check:
         sock.close()
@@ -200,7 +205,13 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
         if cfg.share_socket:
             from hostpool.share import PoolShareServer
 
-            share = PoolShareServer(service.manager, cfg.share_socket).start()
+            try:
+                share = PoolShareServer(service.manager, cfg.share_socket).start()
+            except HostPoolError as exc:
+                # preflight found the path usable; something took or broke it since
+                events.warning("hostpool.serve_failed", error=str(exc))
+                print(f"hostpool serve: {exc}", file=sys.stderr)
+                return 1
         if cfg.demo_load:
             from hostpool.serve.demo import DemoLoad
 

@@ -5,6 +5,10 @@ before a single page is populated. What can never fit (more than the budget, the
 memory, the cgroup limit, or a hugetlb pool that does not exist) is a ConfigError;
 what does not fit now (MemAvailable, free hugepages) is the AllocationError the first
 allocation would have raised, from the same admission check the manager uses.
+
+So is every problem of the share socket's path (too long, on /proc or a read-only
+filesystem, an unsafe directory, something else or a live server there): ConfigError,
+or ShareSocketInUseError, found without creating anything.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from hostpool.errors import ConfigError, HostPoolError
 from hostpool.memory import cgroup, kernel
 from hostpool.memory.options import RegionOptions
 from hostpool.serve.config import PoolSpec, ServeConfig
+from hostpool.share.socketpath import SocketPath
 from hostpool.units import format_size
 
 
@@ -31,7 +36,8 @@ def _listing(pools: list[PoolSpec]) -> str:
 
 
 def check(cfg: ServeConfig) -> None:
-    """Raise ConfigError or AllocationError unless every pool can be allocated now."""
+    """Raise ConfigError or AllocationError unless every pool can be allocated now, and
+    ConfigError or ShareSocketInUseError unless the share socket can be claimed."""
     total = sum(p.size for p in cfg.pools)
     every = _listing(list(cfg.pools))
     for key, limit in (("server.budget", cfg.budget), ("server.host_budget", cfg.host_budget)):
@@ -79,3 +85,6 @@ def check(cfg: ServeConfig) -> None:
     for size, specs in huge.items():
         with admission.reserve(sum(p.size for p in specs), size):
             pass
+    if cfg.share_socket:
+        # `hostpool serve` lets only its own uid attach (PoolShareServer's default).
+        SocketPath(cfg.share_socket, open_to_others=False).check()

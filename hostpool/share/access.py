@@ -105,13 +105,18 @@ def shrinkable(name: str, fd: int) -> str | None:
     return None
 
 
-def is_hugetlb(fd: int) -> bool:
-    """Whether `fd` is a file on hugetlbfs (a hugetlb memfd), by fstatfs's f_type."""
+def fs_magic(fd: int) -> int:
+    """The f_type of the filesystem `fd` is on (fstatfs; Python's os has no fstatfs)."""
     buf = ctypes.create_string_buffer(_STATFS_BYTES)
     if _libc.fstatfs(fd, buf) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
-    return ctypes.c_long.from_buffer(buf).value == HUGETLBFS_MAGIC
+    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def is_hugetlb(fd: int) -> bool:
+    """Whether `fd` is a file on hugetlbfs (a hugetlb memfd)."""
+    return fs_magic(fd) == HUGETLBFS_MAGIC
 
 
 def punchable(name: str, fd: int) -> str | None:

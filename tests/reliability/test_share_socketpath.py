@@ -161,3 +161,54 @@ def test_servers_racing_for_a_stale_socket_leave_one_winner(tmp_path: os.PathLik
     assert sorted(outcomes) == ["in use"] * 7 + ["serving"], outcomes
     assert answer["ok"] is True  # the winner answers at the path
     assert not os.path.exists(path)  # and removed its socket when it stopped
+
+
+# A neighbour who can write the socket's directory swaps the socket for a symlink to a
+# victim file at the worst moment: right after the server's every step (an audit hook
+# runs before each audited call, so it lands between bind and anything done after it).
+# The server must never change the mode of what the path names by then.
+SWAPPER = """
+import os, stat, sys
+path, victim = sys.argv[1], sys.argv[2]
+swapped = []
+
+def neighbour(event, args):
+    if swapped or event.startswith(("os.unlink", "os.symlink", "os.remove")):
+        return
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+            os.symlink(victim, path)
+            swapped.append(event)
+    except OSError:
+        pass
+
+sys.addaudithook(neighbour)
+from hostpool import HostPoolManager
+from hostpool.share import PoolShareServer
+with HostPoolManager() as m:
+    server = PoolShareServer(m, path, allowed_uids=[65534]).start()
+    print("ready", flush=True)
+    print(f"{stat.S_IMODE(os.stat(victim).st_mode):o} {swapped}", flush=True)
+    server.close()
+"""
+
+
+def test_a_symlink_swapped_in_after_bind_is_never_chmod_ed(tmp_path: os.PathLike[str]) -> None:
+    from tests import helpers
+
+    victim = os.path.join(tmp_path, "victim")
+    with open(victim, "w") as f:
+        f.write("secret")
+    os.chmod(victim, 0o600)
+    path = os.path.join(tmp_path, "d", "pool.sock")
+    os.mkdir(os.path.dirname(path), 0o700)
+    child = helpers.python_child(SWAPPER, path, victim, stdin=False)
+    assert child.stdout is not None
+    mode, swapped = child.stdout.readline().split(" ", 1)
+    child.stdout.close()
+    assert child.wait(timeout=60) == 0
+    assert "os." in swapped or "socket" in swapped, swapped  # the neighbour did act
+    assert mode == "600", f"the server chmod-ed the victim through the symlink: {mode}"
+    assert _mode(victim) == 0o600
+    assert os.path.islink(path)  # the neighbour's symlink was not the server's to remove
