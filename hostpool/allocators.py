@@ -104,7 +104,13 @@ def check_device(device: object) -> None:
 
 
 class HostTensorAllocator:
-    """Makes host tensors of one pool; every region is recorded in the process ledger."""
+    """Makes host tensors of one pool; every region is recorded in the process ledger.
+
+    By default the tensors own their memory: dropping one frees its region, a `tensor`
+    release. With `retain=True` (what a server's pool allocator is: sglang's) the allocator
+    keeps each allocation until `release()`/`close()`; collected without them, its regions
+    end as `finalizer` releases, the leak signal.
+    """
 
     kind: ClassVar[Kind]
     registered_name: ClassVar[str]
@@ -116,9 +122,11 @@ class HostTensorAllocator:
         ledger: Ledger | None = None,
         track_stacks: bool | None = None,
         admission: Admission | None = None,
+        retain: bool = False,
         **options: Any,
     ) -> None:
         self.pool = validate_pool_name(pool)
+        self._retained: list[torch.Tensor] | None = [] if retain else None
         self.options = RegionOptions.parse(**options)
         self._ledger = ledger or get_ledger()
         self._id = next(_allocator_ids)
@@ -133,6 +141,8 @@ class HostTensorAllocator:
     def allocate(self, dims: Any, dtype: torch.dtype, device: Any = "cpu") -> torch.Tensor:
         """A tensor of `dims`/`dtype` over fresh, populated host memory."""
         tensor, _region = self._allocate(dims, dtype, device)
+        if self._retained is not None:
+            self._retained.append(tensor)
         return tensor
 
     def release(self, tensor: torch.Tensor) -> bool:
@@ -143,8 +153,16 @@ class HostTensorAllocator:
         """
         address = int(tensor.data_ptr())
         for region in self._ledger.regions(owner=self._id):
-            if region.address <= address < region.address + max(region.mapped_bytes, 1):
-                return bool(self._ledger.release(region.id))
+            start, end = region.address, region.address + max(region.mapped_bytes, 1)
+            if start <= address < end:
+                gone = bool(self._ledger.release(region.id))
+                if self._retained is not None:
+                    # Released first, then our reference to the region (a view may start
+                    # anywhere inside it) dropped, so nothing of ours keeps it mapped.
+                    self._retained = [
+                        t for t in self._retained if not start <= int(t.data_ptr()) < end
+                    ]
+                return gone
         raise InvalidRequestError(
             f"tensor at {address:#x} is not a live allocation of pool {self.pool!r}"
         )
@@ -153,8 +171,12 @@ class HostTensorAllocator:
         """Release every region this allocator made. Live views keep their pages mapped
         ("released, still mapped") until they die; nothing is unmapped under them."""
         self._closed = True
+        # Release explicitly while our references still hold the regions, then drop them:
+        # dropping first would let the GC count the release as a leak.
+        retained, self._retained = self._retained, None if self._retained is None else []
         for region in self._ledger.regions(owner=self._id):
             self._ledger.release(region.id)
+        del retained
 
     def __enter__(self) -> HostTensorAllocator:
         return self
@@ -240,6 +262,7 @@ class HostTensorAllocator:
                     seconds=seconds,
                     dims=shape,
                     dtype=str(dtype),
+                    owned_by_tensor=self._retained is None,
                 )
             )
         return region, holder, seconds
@@ -305,36 +328,6 @@ class ShmHostTensorAllocator(HostTensorAllocator):
 
     kind = "shm"
     registered_name = "shm"
-
-    def __init__(self, pool: str = "default", *, retain: bool = False, **kwargs: Any) -> None:
-        super().__init__(pool, **kwargs)
-        self._retained: list[torch.Tensor] | None = [] if retain else None
-
-    def allocate(self, dims: Any, dtype: torch.dtype, device: Any = "cpu") -> torch.Tensor:
-        tensor = super().allocate(dims, dtype, device)
-        if self._retained is not None:
-            self._retained.append(tensor)
-        return tensor
-
-    def release(self, tensor: torch.Tensor) -> bool:
-        if self._retained is not None:
-            # Drop our own reference to the region `tensor` lives in (a view may start
-            # anywhere inside it), so nothing of ours keeps it mapped.
-            address = int(tensor.data_ptr())
-            for region in self.regions:
-                start, end = region.address, region.address + max(region.mapped_bytes, 1)
-                if start <= address < end:
-                    self._retained = [
-                        t for t in self._retained if not start <= int(t.data_ptr()) < end
-                    ]
-        return super().release(tensor)
-
-    def close(self) -> None:
-        # Release explicitly while our references still hold the regions, then drop them:
-        # dropping first would let the GC finalizer count the release (the leak signal).
-        retained, self._retained = self._retained, None if self._retained is None else []
-        super().close()
-        del retained
 
     @property
     def fds(self) -> list[int]:
@@ -408,8 +401,10 @@ def create_allocator(name: str, **options: Any) -> HostTensorAllocator:
 def alloc_shm(
     dims: Any, dtype: torch.dtype, *, pool: str = "default", **options: Any
 ) -> tuple[torch.Tensor, int, mmap.mmap]:
-    """sglang's shape: (tensor, fd, mm). The fd is a dup the caller owns and closes;
-    `mm.close()` is safe while the tensor lives (it unmaps with the last view)."""
+    """sglang's shape: (tensor, fd, mm). The fd is a dup the caller owns and closes.
+    The region is handed to the tensor: collected with it, it is a `tensor` release (the
+    normal end); `mm.close()` is an explicit release, safe while the tensor lives (the
+    pages go with the last view)."""
     allocator = ShmHostTensorAllocator(pool, **options)
     started = time.perf_counter()
     tensor, region = allocator._allocate(dims, dtype, "cpu")
@@ -431,7 +426,8 @@ def alloc_shm(
 def alloc_mmap(
     dims: Any, dtype: torch.dtype, *, pool: str = "default", **options: Any
 ) -> torch.Tensor:
-    """A tensor over anonymous memory; the tensor owns the mapping."""
+    """A tensor over anonymous memory; the tensor owns the mapping (collected with it: a
+    `tensor` release, the normal end)."""
     return MmapHostTensorAllocator(pool, **options).allocate(dims, dtype)
 
 

@@ -2,9 +2,11 @@
 
 Managers, allocators and `alloc_shm` all record here; managers are views of it.
 
-- A region is released exactly once, `explicit` (allocator/manager close) or `finalizer`
-  (its mapping was collected). Explicit release while views live leaves it "released,
-  still mapped" until the last view dies; its bytes stay visible.
+- A region is released exactly once: `explicit` (allocator/manager close, `release()`,
+  its holder's `mm.close()`); `tensor` (handed to its tensor by contract and collected
+  with it: the normal end); `finalizer` (an owner that should have released it was
+  collected first: the leak signal, and only that). Explicit release while views live
+  leaves it "released, still mapped" until the last view dies; its bytes stay visible.
 - Finalizers run inside cyclic GC, on any thread, possibly while this thread holds the
   ledger lock. So they take no lock: they append `(generation, region_id)` to a deque,
   and every ledger operation drains that queue under the lock.
@@ -43,6 +45,10 @@ DURATION_BUCKETS = (
 )  # fmt: skip
 
 
+# A memory-layer notice: (generation, region id, how, reused fd, still mapped).
+_Gone = tuple[int, int, str, int | None, bool]
+
+
 @dataclass
 class _Entry:
     region: Region
@@ -56,6 +62,9 @@ class _Entry:
     scrape_keys: tuple[Any, ...] | None = None
     pinned: int = 0  # bytes pinned at birth (the chunks list empties when unpinned)
     seconds: float = 0.0  # allocate + populate time
+    # What its collection means: "tensor" when the region was handed to its tensor by
+    # contract; "finalizer" (the leak signal) when an owner should have released it.
+    collected_as: str = "finalizer"
 
 
 @dataclass
@@ -88,7 +97,8 @@ class Ledger:
     def __init__(self) -> None:
         self._lock = ForkSafeLock()
         self._entries: dict[int, _Entry] = {}
-        self._gone: collections.deque[tuple[int, int, str, int | None]] = collections.deque()
+        # (generation, region id, how, reused fd, still mapped) from the memory layer.
+        self._gone: collections.deque[_Gone] = collections.deque()
         # Owner-id sets of managers collected without close() (queued by their finalizer).
         self._dropped: collections.deque[tuple[int, frozenset[int]]] = collections.deque()
         self._to_close: list[_Entry] = []
@@ -209,10 +219,24 @@ class Ledger:
         seconds: float,
         dims: tuple[int, ...] = (),
         dtype: str = "torch.uint8",
+        owned_by_tensor: bool = False,
     ) -> None:
+        """Record a new region. `owned_by_tensor`: it was handed to its tensor by contract
+        (`alloc_shm`, `alloc_mmap`, a non-retaining allocator), so its collection is the
+        normal end, `tensor`; otherwise an owner (a retaining allocator, a server's pool)
+        must release it, and its collection is `finalizer`, the leak signal."""
         # The allocation hot path: insert and queue, nothing more. Counting waits for
         # the next reader (a scrape, a release, a snapshot), which settles births first.
-        entry = _Entry(region, allocator, owner, stack, dims, dtype, seconds=seconds)
+        entry = _Entry(
+            region,
+            allocator,
+            owner,
+            stack,
+            dims,
+            dtype,
+            seconds=seconds,
+            collected_as="tensor" if owned_by_tensor else "finalizer",
+        )
         with self._lock:
             self._entries[region.id] = entry
             births = self._births
@@ -310,11 +334,23 @@ class Ledger:
                     self._leaked.append(orphan)
         while True:
             try:
-                generation, region_id, how, reused_fd = self._gone.popleft()
+                generation, region_id, how, reused_fd, still_mapped = self._gone.popleft()
             except IndexError:
                 return
             if generation != self._generation:
                 continue  # a parent's region, seen from a forked child
+            if still_mapped:
+                # Its holder released it (`mm.close()`) while views live: counted now; the
+                # mapping's own notice comes when the last view dies.
+                entry = self._entries.get(region_id)
+                if entry is None:
+                    continue
+                if reused_fd is not None:
+                    self.fd_reuse_skips[entry.region.pool] += 1
+                    self._fd_reused_events.append((entry.region.pool, reused_fd, entry.region.name))
+                if entry.state == "live":
+                    self._begin_release_locked(entry, how)
+                continue
             entry = self._entries.pop(region_id, None)
             if reused_fd is not None and entry is not None:
                 self.fd_reuse_skips[entry.region.pool] += 1
@@ -322,6 +358,8 @@ class Ledger:
             if entry is None:
                 continue
             if entry.state == "live":
+                if how == "finalizer":
+                    how = entry.collected_as  # collected: what that means is the owner's
                 self._count_live(entry, -1)
                 self.releases_total[(entry.region.pool, how)] += 1
                 self._finished.append((how, entry))
@@ -431,13 +469,14 @@ class Ledger:
 
 
 def _notify_gone(
-    queue: collections.deque[tuple[int, int, str, int | None]],
+    queue: collections.deque[_Gone],
     generation: int,
     rid: int,
     how: str = "finalizer",
     reused_fd: int | None = None,
+    still_mapped: bool = False,
 ) -> None:
-    queue.append((generation, rid, how, reused_fd))
+    queue.append((generation, rid, how, reused_fd, still_mapped))
 
 
 def _notify_dropped(

@@ -323,3 +323,74 @@ def test_retaining_allocator_releases_a_region_through_any_view(no_leaked_fds: N
     assert len(alloc.fds) == 1
     assert not helpers.range_mapped(address, length)
     alloc.close()
+
+
+# -- how a region ends (issue 26 point 1) ----------------------------------------------
+def _releases(pool: str) -> dict[str, int]:
+    ledger = get_ledger()
+    ledger.drain()
+    return {
+        how: n for (p, how), n in ledger.counters()["releases_total"].items() if p == pool and n
+    }
+
+
+def test_alloc_shm_used_by_contract_is_never_the_leak_signal(no_leaked_fds: None) -> None:
+    """The caller closes its dup, `mm.close()`s while the tensor lives, drops the tensor:
+    an explicit release (the pages go with the last view), never `finalizer`."""
+    from hostpool import alloc_shm
+
+    tensor, fd, mm = alloc_shm((64, 1024), torch.float32, pool="contract_shm")
+    (record,) = get_ledger().snapshot(["contract_shm"])
+    os.close(fd)
+    mm.close()  # views live: released now, unmapped with the last view
+    (after,) = get_ledger().snapshot(["contract_shm"])
+    assert after.state == "released_mapped"
+    assert _releases("contract_shm") == {"explicit": 1}
+    # hostpool's own fd went with the release; mmap's internal dup lives with the mapping
+    assert len(helpers.fd_links("hostpool.contract_shm.")) == 1
+    tensor.fill_(1.0)  # nothing was unmapped under it
+    del tensor, mm
+    gc.collect()
+    assert not helpers.range_mapped(record.address, record.mapped_bytes)
+    assert get_ledger().snapshot(["contract_shm"]) == []
+    assert _releases("contract_shm") == {"explicit": 1}
+    assert helpers.fd_links("hostpool.contract_shm.") == {}
+
+
+def test_alloc_shm_and_alloc_mmap_end_with_their_tensor(no_leaked_fds: None) -> None:
+    """Handed to the tensor by contract: collected with it is `tensor`, the normal end."""
+    from hostpool import alloc_mmap, alloc_shm
+
+    tensor, fd, mm = alloc_shm((4096,), torch.uint8, pool="with_tensor")
+    os.close(fd)
+    del tensor, mm
+    t = alloc_mmap((4096,), torch.uint8, pool="with_tensor")
+    del t
+    gc.collect()
+    assert _releases("with_tensor") == {"tensor": 2}
+    assert get_ledger().snapshot(["with_tensor"]) == []
+
+
+def test_a_plain_allocators_dropped_tensor_ends_with_the_tensor(no_leaked_fds: None) -> None:
+    """A non-retaining allocator's tensors own their memory (its documented contract)."""
+    alloc = ShmHostTensorAllocator("plain_drop")
+    t = alloc.allocate((4096,), torch.uint8)
+    del t
+    gc.collect()
+    assert _releases("plain_drop") == {"tensor": 1}
+    alloc.close()
+
+
+def test_a_retaining_allocator_collected_without_close_is_the_leak_signal(
+    no_leaked_fds: None,
+) -> None:
+    """An owner that should have released its regions was collected first: `finalizer`."""
+    for cls in (ShmHostTensorAllocator, MmapHostTensorAllocator, DefaultHostTensorAllocator):
+        pool = f"retained_leak_{cls.kind}"
+        alloc = cls(pool, retain=True)
+        alloc.allocate((4096,), torch.uint8)
+        alloc.allocate((4096,), torch.uint8)
+        del alloc
+        gc.collect()
+        assert _releases(pool) == {"finalizer": 2}, cls
+        assert get_ledger().snapshot([pool]) == []

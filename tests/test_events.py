@@ -39,13 +39,13 @@ def test_alloc_populate_and_release_events() -> None:
     populate = _one(logs, "hostpool.populate")
     assert populate["mode"] == "madvise" and "seconds" in populate
     releases = [e for e in logs if e["event"] == "hostpool.release"]
-    assert {e["how"] for e in releases} == {"explicit", "finalizer"}
+    assert {e["how"] for e in releases} == {"explicit", "tensor"}
     assert all(e["pool"] == "ev" and "bytes" in e for e in releases)
     # The explicit release while the caller held its view unmaps with that view; the
-    # finalizer release ran because the pages went.
+    # tensor release (its tensor owned it) ran because the pages went.
     assert {(e["how"], e["unmap"]) for e in releases} == {
         ("explicit", "with_last_view"),
-        ("finalizer", "now"),
+        ("tensor", "now"),
     }
 
 

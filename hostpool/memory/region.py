@@ -9,6 +9,10 @@ number of its own fd, so dropping the tensors frees the memory.
 Two finalizers, neither holding the Region:
 - on the holder (the last view died, the mapping is still there): CUDA unregister;
 - on the mmap (runs after munmap): close the Region's fd, report the mapping gone.
+
+`on_unmapped(region_id, how="finalizer", reused_fd=None, still_mapped=False)` is how the
+memory layer reports an end: `finalizer` means only "collected"; the ledger, which knows
+who owned the region, decides what that was (`tensor` or the leak signal).
 """
 
 from __future__ import annotations
@@ -41,10 +45,11 @@ def _next_region_id() -> int:
 
 
 class RegionMapping(mmap.mmap):
-    """An mmap whose `close()` never raises and never unmaps under a live view.
+    """An mmap whose `close()` is an explicit release that never unmaps under a live view.
 
-    sglang's callers `mm.close()` while tensors still use the pages; here that closes
-    nothing until the last view is gone (the mapping then goes with the object).
+    sglang's callers `mm.close()` while tensors still use the pages. That is the holder
+    releasing the region: reported at once (`explicit`, with the region's own fd closed),
+    and the pages go with the last view ("released, still mapped"), never under it.
     """
 
     _on_close: tuple[list[int], Callable[..., None] | None, int, tuple[int, int] | None] | None = (
@@ -55,12 +60,22 @@ class RegionMapping(mmap.mmap):
         try:
             super().close()
         except BufferError:
-            return  # views live: the mapping goes with the last of them
-        if self._on_close is not None:
-            # Unmapped now by its holder (sglang's `mm.close()`): an explicit release.
-            fd_box, on_unmapped, region_id, dev_ino = self._on_close
-            self._on_close = None
+            self._released(still_mapped=True)  # views live: unmapped with the last of them
+            return
+        self._released(still_mapped=False)
+
+    def _released(self, *, still_mapped: bool) -> None:
+        if self._on_close is None:
+            return  # reported once; a second close() is a no-op
+        fd_box, on_unmapped, region_id, dev_ino = self._on_close
+        self._on_close = None
+        if not still_mapped:
             _mapping_gone(fd_box, on_unmapped, region_id, "explicit", dev_ino)
+            return
+        fd = _claim(fd_box)
+        reused = fd if fd is not None and not close_if_same(fd, dev_ino) else None
+        if on_unmapped is not None:
+            on_unmapped(region_id, "explicit", reused, True)
 
 
 @functools.lru_cache(maxsize=512)
