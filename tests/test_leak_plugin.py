@@ -324,3 +324,24 @@ def test_plugin_import_pulls_in_neither_torch_nor_allocators() -> None:
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_string_prefix_is_one_prefix_not_its_characters() -> None:
+    """`prefixes="hostpool."` means the one prefix: split into characters it would take
+    a memfd named `o.unrelated` for a leak."""
+    check = assert_no_leaks(prefixes="hostpool.")
+    assert check.prefixes == ("hostpool.",)
+    fd = os.memfd_create("o.unrelated", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, MiB)
+        assert check.leaks() == []
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("bad", ["", [""], [b"hostpool."], [7], (), 7])
+def test_nonsensical_prefixes_are_invalid_requests(bad: object) -> None:
+    from hostpool.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="prefix"):
+        assert_no_leaks(prefixes=bad)  # type: ignore[arg-type]

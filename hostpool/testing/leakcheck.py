@@ -34,6 +34,7 @@ from types import TracebackType
 from typing import Any
 
 from hostpool import procfs, procgroup
+from hostpool.errors import InvalidRequestError
 from hostpool.textsafe import printable
 from hostpool.units import format_size
 
@@ -109,10 +110,8 @@ class LeakCheck:
     is the story; objects it left behind would only add noise).
     """
 
-    def __init__(self, prefixes: Iterable[str] = DEFAULT_PREFIXES) -> None:
-        self.prefixes = tuple(prefixes)
-        if not self.prefixes:
-            raise ValueError("LeakCheck needs at least one name prefix")
+    def __init__(self, prefixes: str | Iterable[str] = DEFAULT_PREFIXES) -> None:
+        self.prefixes = as_prefixes(prefixes)
         self.baseline = ShmState.read(self.prefixes)
 
     def leaks(self) -> list[Leak]:
@@ -142,9 +141,31 @@ class LeakCheck:
             self.verify()
 
 
-def assert_no_leaks(prefixes: Iterable[str] = DEFAULT_PREFIXES) -> LeakCheck:
-    """Take a baseline now; `verify()` it later or use it as a `with` block."""
+def assert_no_leaks(prefixes: str | Iterable[str] = DEFAULT_PREFIXES) -> LeakCheck:
+    """Take a baseline now; `verify()` it later or use it as a `with` block.
+
+    `prefixes`: one name prefix (a str) or several; InvalidRequestError for none, an
+    empty one, or one that is not a str.
+    """
     return LeakCheck(prefixes)
+
+
+def as_prefixes(prefixes: object) -> tuple[str, ...]:
+    """`prefixes` as a tuple of non-empty strs; a str is one prefix, not its characters."""
+    if isinstance(prefixes, str):
+        prefixes = (prefixes,)
+    if not isinstance(prefixes, Iterable):
+        raise InvalidRequestError(f"leak check prefixes must be a str or strs, got {prefixes!r}")
+    out: tuple[object, ...] = tuple(prefixes)
+    if not out:
+        raise InvalidRequestError("the leak check needs at least one name prefix")
+    strs = tuple(p for p in out if isinstance(p, str) and p)
+    if len(strs) != len(out):
+        raise InvalidRequestError(
+            "a leak check prefix must be a non-empty str (an empty one matches every "
+            f"memfd), got {out!r}"
+        )
+    return strs
 
 
 def describe(added: ShmState, prefixes: Sequence[str]) -> list[Leak]:

@@ -23,7 +23,7 @@ from collections.abc import Generator, Iterator
 
 import pytest
 
-from hostpool.testing.leakcheck import DEFAULT_PREFIXES, LeakCheck, ShmLeakError
+from hostpool.testing.leakcheck import DEFAULT_PREFIXES, LeakCheck, ShmLeakError, as_prefixes
 
 MARKER = "hostpool_leak_check"
 INI_ENABLE = "hostpool_leak_check"
@@ -106,6 +106,6 @@ def _checked(request: pytest.FixtureRequest) -> Iterator[LeakCheck]:
 def _prefixes(request: pytest.FixtureRequest) -> tuple[str, ...]:
     marker = request.node.get_closest_marker(MARKER)
     if marker is not None and marker.kwargs.get("prefixes"):
-        return tuple(marker.kwargs["prefixes"])
+        return as_prefixes(marker.kwargs["prefixes"])  # a str is one prefix
     configured: list[str] = request.config.getini(INI_PREFIXES)
     return tuple(configured) or DEFAULT_PREFIXES
