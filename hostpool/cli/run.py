@@ -1,6 +1,10 @@
 """`hostpool run -- CMD...`: run CMD with hostpool's sglang integration active in every
 Python process it starts (spawned workers included), through HOSTPOOL_INSTRUMENT and the
-`.pth` hook the hostpool wheel installs in that interpreter's site-packages."""
+`.pth` hook the hostpool wheel installs in that interpreter's site-packages.
+
+CMD replaces this process (exec), so the exit status is CMD's own. When CMD cannot be
+started: 2 if none or an empty one is given, or it is not found or not executable, 1 for
+any other failure; one line on stderr each."""
 
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    if not cmd:
+    if not cmd or not cmd[0]:
+        # execve refuses an empty program name with a ValueError, not an OSError
         print("hostpool run: no command given (hostpool run -- CMD ...)", file=sys.stderr)
         return 2
     try:

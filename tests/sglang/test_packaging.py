@@ -86,11 +86,18 @@ def test_hostpool_run_activates_the_integration_in_the_command() -> None:
 
 
 @pytest.mark.parametrize(
-    ("argv", "code"), [(["run"], 2), (["run", "--"], 2), (["run", "--", "/nonexistent/cmd"], 2)]
+    ("argv", "code"),
+    [
+        (["run"], 2),
+        (["run", "--"], 2),
+        (["run", "--", "/nonexistent/cmd"], 2),
+        (["run", "--", ""], 2),  # an empty command name: execve refuses it (ValueError)
+    ],
 )
 def test_hostpool_run_usage_errors(argv: list[str], code: int) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "hostpool", *argv], capture_output=True, text=True, timeout=60
     )
-    assert out.returncode == code
+    assert out.returncode == code, out.stderr
     assert out.stderr.startswith("hostpool run: ") and out.stdout == ""
+    assert len(out.stderr.splitlines()) == 1 and "Traceback" not in out.stderr
