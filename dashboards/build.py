@@ -196,9 +196,11 @@ LIFECYCLE = RowSpec(
         ),
         PanelSpec(
             "Release rate by how",
-            "Releases per second, by how: explicit (close()) or finalizer (the garbage "
-            "collector reclaimed a region nobody closed). Finalizer releases should be "
-            "zero: see the leak signal panel.",
+            "Releases per second, by how: explicit (close(), release(), mm.close(), a "
+            "server's teardown), tensor (a region handed to its tensor, as alloc_shm and "
+            "alloc_mmap do, ended with it: normal) or finalizer (an owner that should have "
+            "released it was collected first). Finalizer releases should be zero: see the "
+            "leak signal panel.",
             "ops",
             (
                 q(
@@ -228,11 +230,13 @@ LIFECYCLE = RowSpec(
         ),
         PanelSpec(
             "Finalizer releases (leak signal)",
-            "Regions reclaimed by the garbage collector in each interval instead of being "
-            "closed: the code that allocated them dropped its tensors without close(). The "
-            "memory came back later than intended, which shows as memory spikes under "
-            "load. Any value above zero fires HostpoolFinalizerReleases: make the pool's "
-            "owner call close(), and catch it in tests with hostpool.testing.",
+            "Regions released in each interval because the owner that should have released "
+            "them (a HostPoolManager, a retain=True allocator, a server's host pool) was "
+            "collected without close()/destroy(). Tensors that own their region (alloc_shm, "
+            "alloc_mmap, plain allocators) never count here. The memory came back later "
+            "than intended, which shows as memory spikes under load. Any value above zero "
+            "fires HostpoolFinalizerReleases: make the owner close, and catch it in tests "
+            "with hostpool.testing.",
             "short",
             (
                 q(
@@ -464,6 +468,23 @@ PROCESS = RowSpec(
                     "{{instance}} hostpool resident",
                 ),
             ),
+        ),
+        PanelSpec(
+            "Multiprocess publish errors",
+            "Failed publishes of hostpool's series into prometheus_client's multiprocess "
+            "directory (sglang, vLLM workers), by kind: fd_limit, no_space, permission, "
+            "os_error, other. While they fail, that worker's hostpool series are stale; the "
+            "publisher retries every interval and the first success shows the count. Any "
+            "value above zero fires HostpoolPublishErrors.",
+            "short",
+            (
+                q(
+                    "sum by (instance, kind) "
+                    f"(increase(hostpool_publish_errors_total{{{TARGET}}}{RATE}))",
+                    "{{instance}} {{kind}}",
+                ),
+            ),
+            thresholds=((None, "green"), (1, "red")),
         ),
         PanelSpec(
             "Collector scrape time",

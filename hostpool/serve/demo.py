@@ -1,7 +1,8 @@
 """`--demo-load`: a background workload so every dashboard row has data.
 
 It writes and reads pages of the configured pools, churns allocations in a `demo` pool
-(released explicitly, and some dropped for the finalizer to reclaim), and every
+(released explicitly, some dropped with their tensors, and a few leaked on purpose by an
+owner dropped without close(): the `finalizer` release, the leak signal), and every
 `provoke_every` seconds provokes a hugepage fallback and a refused allocation, so the
 alerts they feed (HostpoolHugepageFallbacks, HostpoolAllocationFailures,
 HostpoolFinalizerReleases) fire on any scrape interval: increase() needs a sample before
@@ -16,6 +17,7 @@ import threading
 import torch
 
 from hostpool import events
+from hostpool.allocators import ShmHostTensorAllocator
 from hostpool.errors import HostPoolError
 from hostpool.memory import kernel
 from hostpool.serve.service import PoolService
@@ -118,8 +120,17 @@ class DemoLoad:
                 t = churn.allocate((n,), torch.uint8)
             except HostPoolError:
                 continue
-            if self.cycles % 3 != 0:  # every third is dropped: the finalizer reclaims it
+            if self.cycles % 3 != 0:  # every third is dropped: it ends with its tensor
                 kept.append(t)
             del t
+            if self.cycles % 9 == 0:
+                _leak_one(n)
             if len(kept) > 4:
                 churn.release(kept.pop(0))
+
+
+def _leak_one(nbytes: int) -> None:
+    """A region whose owner is collected without close(): the leak signal, on purpose."""
+    owner = ShmHostTensorAllocator("demo", retain=True)
+    owner.allocate((nbytes,), torch.uint8)
+    del owner  # collected with the region it retains: a `finalizer` release
