@@ -23,7 +23,8 @@ _EXPORTS = {
     "register_allocator": "hostpool.allocators",
     "alloc_shm": "hostpool.allocators",
     "alloc_mmap": "hostpool.allocators",
-    "get_allocator_type": "hostpool.allocators",
+    # sglang's rule lives once, in its integration (pure; imports no sglang).
+    "get_allocator_type": "hostpool.integrations.sglang",
     "AllocationRecord": "hostpool.records",
     "get_ledger": "hostpool.lifecycle",
     "HostPoolError": "hostpool.errors",
@@ -64,7 +65,6 @@ if TYPE_CHECKING:
         alloc_mmap,
         alloc_shm,
         create_allocator,
-        get_allocator_type,
         register_allocator,
     )
     from hostpool.errors import (
@@ -74,6 +74,7 @@ if TYPE_CHECKING:
         HugepageUnavailableError,
         InvalidRequestError,
     )
+    from hostpool.integrations.sglang import get_allocator_type
     from hostpool.lifecycle import get_ledger
     from hostpool.manager import HostPoolManager, LeakReport
     from hostpool.records import AllocationRecord

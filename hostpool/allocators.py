@@ -19,7 +19,6 @@ import torch
 
 from hostpool import events
 from hostpool.budget import Admission
-from hostpool.config import load_mapping
 from hostpool.errors import AllocationError, ConfigError, HostPoolError, InvalidRequestError
 from hostpool.lifecycle import Ledger, get_ledger
 from hostpool.locks import ForkSafeLock
@@ -429,35 +428,6 @@ def alloc_mmap(
     """A tensor over anonymous memory; the tensor owns the mapping (collected with it: a
     `tensor` release, the normal end)."""
     return MmapHostTensorAllocator(pool, **options).allocate(dims, dtype)
-
-
-def _field(server_args: Any, name: str) -> Any:
-    if isinstance(server_args, dict):
-        return server_args.get(name)
-    return getattr(server_args, name, None)
-
-
-def get_allocator_type(server_args: Any) -> str:
-    """sglang's rule: "shm" for the shm backend, or "dynamic" whose extra config says
-    `"allocator": "shm"`; else the backend name; else "default"."""
-    backend = _field(server_args, "hicache_storage_backend")
-    if backend is None or backend == "":
-        return "default"
-    if not isinstance(backend, str):
-        raise ConfigError(f"hicache_storage_backend must be a string, got {backend!r}")
-    if backend == "shm":
-        return "shm"
-    if backend == "dynamic":
-        extra = load_mapping(
-            _field(server_args, "hicache_storage_backend_extra_config"),
-            what="hicache_storage_backend_extra_config",
-        )
-        allocator = extra.get("allocator")
-        if allocator is not None and not isinstance(allocator, str):
-            raise ConfigError(f"extra config 'allocator' must be a string, got {allocator!r}")
-        if allocator == "shm":
-            return "shm"
-    return backend
 
 
 _pin_warned = False

@@ -5,9 +5,12 @@ from __future__ import annotations
 import gc
 import json
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
+import structlog
 import torch
 
 import hostpool
@@ -22,6 +25,7 @@ from hostpool import (
     register_allocator,
 )
 from hostpool.errors import HostPoolError
+from hostpool.integrations.sglang import BAD_EXTRA_CONFIG
 from hostpool.lifecycle import get_ledger
 from tests import helpers
 
@@ -231,21 +235,48 @@ def test_extra_config_files(tmp_path: os.PathLike[str], suffix: str, text: str) 
     assert get_allocator_type(args) == "shm"
 
 
+def test_a_non_string_allocator_in_the_extra_config_is_sglangs_dynamic() -> None:
+    args = {"hicache_storage_backend": "dynamic",
+            "hicache_storage_backend_extra_config": '{"allocator": 3}'}  # fmt: skip
+    with structlog.testing.capture_logs() as logs:
+        assert get_allocator_type(args) == "dynamic"
+    assert [e for e in logs if e["event"] == BAD_EXTRA_CONFIG] == []
+
+
+@pytest.mark.parametrize("backend", [3, ["shm"], b"shm"])
+def test_a_backend_that_is_not_a_string_is_a_config_error(backend: object) -> None:
+    with pytest.raises(ConfigError, match="hicache_storage_backend must be a string"):
+        get_allocator_type({"hicache_storage_backend": backend})
+
+
+def _one_warning(logs: list[dict[str, object]]) -> dict[str, object]:
+    (event,) = [e for e in logs if e["event"] == BAD_EXTRA_CONFIG]
+    assert event["log_level"] == "warning" and event["answer"] == "dynamic"
+    return event
+
+
 @pytest.mark.parametrize(
     "extra",
     [
         "{not json",
         "[1, 2]",
         '"shm"',
+        "null",
         "@/nonexistent/extra.json",
-        '{"allocator": 3}',
         42,
     ],
 )
-def test_malformed_extra_config_is_a_config_error(extra: object) -> None:
+def test_malformed_extra_config_answers_as_sglang_with_a_warning(extra: object) -> None:
+    """Issue 26 point 7: one rule with sglang's (and the integration's): the config is
+    ignored, the answer is "dynamic", and a warning event says why; never an exception."""
     args = {"hicache_storage_backend": "dynamic", "hicache_storage_backend_extra_config": extra}
-    with pytest.raises(ConfigError):
-        get_allocator_type(args)
+    with structlog.testing.capture_logs() as logs:
+        assert get_allocator_type(args) == "dynamic"
+        assert get_allocator_type(SimpleNamespace(**args)) == "dynamic"
+    bad = [e for e in logs if e["event"] == BAD_EXTRA_CONFIG]
+    assert len(bad) == 2 and all(e["answer"] == "dynamic" for e in bad)
+    if extra == "@/nonexistent/extra.json":
+        assert all("/nonexistent/extra.json" in str(e["error"]) for e in bad)
 
 
 @pytest.mark.parametrize(
@@ -260,8 +291,27 @@ def test_malformed_extra_config_files(tmp_path: os.PathLike[str], suffix: str, t
         "hicache_storage_backend": "dynamic",
         "hicache_storage_backend_extra_config": "@" + path,
     }
-    with pytest.raises(ConfigError, match="bad"):
-        get_allocator_type(args)
+    with structlog.testing.capture_logs() as logs:
+        assert get_allocator_type(args) == "dynamic"
+    assert "bad" + suffix in str(_one_warning(logs)["error"])
+
+
+def test_the_rule_lives_in_the_integration_and_the_core_does_not_import_it() -> None:
+    """`hostpool.get_allocator_type` is the sglang integration's (the rule is written
+    once); importing the core allocators does not import the integration."""
+    from hostpool.integrations import sglang
+
+    assert hostpool.get_allocator_type is sglang.get_allocator_type
+    code = (
+        "import sys, hostpool.allocators, hostpool.manager; "
+        "print('hostpool.integrations.sglang' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "HOSTPOOL_INSTRUMENT"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
 
 
 def test_alloc_shm_mm_close_is_an_explicit_release(no_leaked_fds: None) -> None:

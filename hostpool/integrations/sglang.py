@@ -19,7 +19,8 @@ in every sglang module imported later, so a new module importing these names is 
   re-exports it in `__all__`): mooncake's, UMBP's and tensorcast's allocator classes are
   imported lazily, after `install()`, and must inherit sglang's class, not hostpool's.
 - `get_allocator_type`: sglang's answer, also with `server_args`; a malformed extra config
-  adds a `hostpool.sglang.bad_extra_config` warning event and never raises.
+  adds a `hostpool.sglang.bad_extra_config` warning event and never raises. The rule is
+  `allocator_type_rule`, here once: `hostpool.get_allocator_type` is this module's.
 - `HostKVCache.destroy()` (and each override): after sglang's teardown the pool's regions
   are released *explicitly*; the pool's label (`pool_label`, `pool_name`) is the pool.
 - with `PROMETHEUS_MULTIPROC_DIR` set, the multiprocess publisher starts in each process
@@ -40,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hostpool import events
+from hostpool.errors import ConfigError
 from hostpool.integrations.importhook import PostImportHook, in_package
 
 COMMON = "sglang.srt.mem_cache.pool_host.common"
@@ -302,19 +304,13 @@ def _build_common_replacements(common: types.ModuleType) -> None:
         _replace(hip_check, uses_hip_owned_host_memory)
 
     def get_allocator_type(server_args: Any = None) -> str:
-        """sglang's answer: from its published config, or from `server_args`."""
-        if server_args is None:
-            memory = names["get_memory"]()
-            backend = memory.hicache_storage_backend
-            extra = memory.hicache_storage_backend_extra_config
-            answer: str = type_rule()
-        else:
-            backend = _field(server_args, "hicache_storage_backend")
-            extra = _field(server_args, "hicache_storage_backend_extra_config")
-            answer = allocator_type_rule(backend, extra)
-        if backend == "dynamic" and extra:
-            _check_extra_config(extra)
-        return answer
+        """sglang's answer (`allocator_type_rule`): from its published config, or from
+        `server_args`; a malformed extra config is sglang's answer plus a warning event."""
+        source = names["get_memory"]() if server_args is None else server_args
+        return answer_allocator_type(
+            _field(source, "hicache_storage_backend"),
+            _field(source, "hicache_storage_backend_extra_config"),
+        )
 
     get_allocator_from_storage.__wrapped__ = factory  # type: ignore[attr-defined]
     get_allocator_type.__wrapped__ = type_rule  # type: ignore[attr-defined]
@@ -322,30 +318,90 @@ def _build_common_replacements(common: types.ModuleType) -> None:
     _replace(type_rule, get_allocator_type)
 
 
-def allocator_type_rule(backend: Any, extra_config: Any) -> str:
-    """sglang 0.5.23's `get_allocator_type` rule over explicit values."""
+# -- get_allocator_type: one rule ------------------------------------------------------
+BAD_EXTRA_CONFIG = "hostpool.sglang.bad_extra_config"
+
+
+def allocator_type_rule(
+    backend: Any, extra_config: Any, *, hostpool_forms: bool = False
+) -> tuple[str, str | None]:
+    """sglang 0.5.23's `get_allocator_type` rule over explicit values: (answer, problem).
+
+    "shm" for the shm backend, or for "dynamic" whose extra config has `"allocator":
+    "shm"`; else the backend name; else "default". sglang reads the extra config as inline
+    JSON and ignores one it cannot read (the answer is then "dynamic"); `problem` says
+    what was wrong with it (None when nothing was). `hostpool_forms` also takes the extra
+    config as a dict or `@path` to a .json/.toml/.yaml/.yml file (hostpool's own API).
+    Pure: no sglang import, no event. A backend that is neither a string nor None (never
+    sglang's, whose argument parser gives one of its names) is a ConfigError.
+    """
+    if backend is not None and not isinstance(backend, str):
+        raise ConfigError(f"hicache_storage_backend must be a string, got {backend!r}")
     if backend == "shm":
-        return "shm"
+        return "shm", None
+    problem = None
     if backend == "dynamic" and extra_config:
+        config, problem = _extra_config(extra_config, hostpool_forms)
+        if config is not None and config.get("allocator") == "shm":
+            return "shm", None
+    return backend or "default", problem
+
+
+def _extra_config(extra: Any, hostpool_forms: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """The extra config as a mapping, else (None, what is wrong with it)."""
+    from hostpool.config import load_file
+
+    if hostpool_forms and isinstance(extra, dict):
+        return extra, None
+    if isinstance(extra, str) and extra.strip().startswith("@"):
+        path = extra.strip()[1:]
         try:
-            config = json.loads(extra_config)
-            if config.get("allocator") == "shm":
-                return "shm"
-        except Exception:  # sglang's own answer for any malformed config: fall through
-            pass
-    return backend or "default"
-
-
-def _check_extra_config(extra: Any) -> None:
+            config = load_file(path, what="hicache_storage_backend_extra_config")
+        except ConfigError as exc:
+            return None, str(exc)
+        if hostpool_forms:
+            return config, None
+        if config.get("allocator") == "shm":  # true, and what an operator needs to know
+            return None, (
+                f"{path} asks for allocator shm, but sglang's get_allocator_type reads "
+                "only inline JSON: sglang's default allocator is used"
+            )
+        return None, None
     try:
         config = json.loads(extra)
-        config.get("allocator")
-    except Exception as exc:
+    except Exception as exc:  # sglang ignores any failure here: so does its answer
+        return None, f"{type(exc).__name__}: {exc}"
+    if not isinstance(config, dict):
+        return None, f"not a JSON object but {type(config).__name__}: {extra!r:.80}"
+    return config, None
+
+
+def answer_allocator_type(backend: Any, extra_config: Any, *, hostpool_forms: bool = False) -> str:
+    """`allocator_type_rule`'s answer; its problem, if any, as a warning event."""
+    answer, problem = allocator_type_rule(backend, extra_config, hostpool_forms=hostpool_forms)
+    if problem is not None:
         events.warning(
-            "hostpool.sglang.bad_extra_config",
-            error=f"{type(exc).__name__}: {exc}",
-            answer="sglang's (the extra config is ignored)",
+            BAD_EXTRA_CONFIG,
+            error=problem,
+            answer=answer,
+            meaning="sglang's answer: the extra config's allocator is ignored",
         )
+    return answer
+
+
+def get_allocator_type(server_args: Any) -> str:
+    """hostpool's `get_allocator_type(server_args)` (`hostpool.get_allocator_type`):
+    sglang's rule (`allocator_type_rule`) over an object or dict with sglang's
+    `hicache_storage_backend` and `hicache_storage_backend_extra_config`. The extra config
+    may also be a dict or `@path` to a .json/.toml/.yaml/.yml file. One that is malformed
+    or unreadable gets the answer sglang gives ("dynamic") and a
+    `hostpool.sglang.bad_extra_config` warning event, never an exception; a backend that
+    is not a string is a ConfigError."""
+    return answer_allocator_type(
+        _field(server_args, "hicache_storage_backend"),
+        _field(server_args, "hicache_storage_backend_extra_config"),
+        hostpool_forms=True,
+    )
 
 
 def _field(server_args: Any, name: str) -> Any:

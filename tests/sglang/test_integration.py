@@ -18,6 +18,7 @@ import pytest
 import structlog
 import torch
 
+import hostpool
 from hostpool.integrations import sglang as integration
 from hostpool.lifecycle import get_ledger
 from hostpool.metrics import measure
@@ -321,11 +322,42 @@ def test_get_allocator_type_answers_like_sglang(sglang: Any, backend: Any, extra
             assert ours() == expected
         assert ours(memory) == expected
         assert ours(vars(memory)) == expected
+        # hostpool's own API: the same rule, the same answers (issue 26 point 7).
+        with structlog.testing.capture_logs() as top_logs:
+            assert hostpool.get_allocator_type(memory) == expected
     finally:
         common.get_memory = saved
-    bad = [e for e in logs if e["event"] == "hostpool.sglang.bad_extra_config"]
     malformed = extra in ("not json", "[1, 2]", '"shm"', "null", "{")
-    assert len(bad) == (1 if backend == "dynamic" and malformed else 0)
+    for captured in (logs, top_logs):
+        bad = [e for e in captured if e["event"] == "hostpool.sglang.bad_extra_config"]
+        assert len(bad) == (1 if backend == "dynamic" and malformed else 0)
+
+
+def test_an_extra_config_file_is_read_by_hostpools_api_not_by_sglangs_rule(
+    sglang: Any, tmp_path: Path
+) -> None:
+    """sglang 0.5.23's `get_allocator_type` reads only inline JSON: `@file` asking for shm
+    gets "dynamic" there (its default allocator), and the warning says so; hostpool's own
+    `get_allocator_type` reads the file (DESIGN layer 3)."""
+    from sglang.srt import runtime_context
+
+    path = tmp_path / "extra.json"
+    path.write_text('{"allocator": "shm"}')
+    memory = types.SimpleNamespace(
+        hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=f"@{path}"
+    )
+    common = sys.modules[COMMON]
+    saved = runtime_context.get_memory
+    common.get_memory = lambda: memory
+    try:
+        assert common.get_allocator_type.__wrapped__() == "dynamic"
+        with structlog.testing.capture_logs() as logs:
+            assert common.get_allocator_type() == "dynamic"
+    finally:
+        common.get_memory = saved
+    (event,) = [e for e in logs if e["event"] == "hostpool.sglang.bad_extra_config"]
+    assert str(path) in event["error"] and "inline JSON" in event["error"]
+    assert hostpool.get_allocator_type(memory) == "shm"
 
 
 # -- foreign allocators --------------------------------------------------------------------
