@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from hostpool import events
-from hostpool.budget import Admission
+from hostpool.budget import Admission, Reservation
 from hostpool.errors import AllocationError, ConfigError, HostPoolError, InvalidRequestError
 from hostpool.lifecycle import Ledger, get_ledger
 from hostpool.locks import ForkSafeLock
@@ -132,6 +132,9 @@ class HostTensorAllocator:
         self._track_stacks = track_stacks
         self._admission = admission
         self._closed = False
+        # close() sets _closed under it and a region is recorded under it: no allocation
+        # in flight commits after close() has listed what to release.
+        self._commit_lock = ForkSafeLock()
         self._ledger.add_pool(self.pool)
         if self.options.pin:
             _warn_pin_unavailable_once()
@@ -141,7 +144,9 @@ class HostTensorAllocator:
         """A tensor of `dims`/`dtype` over fresh, populated host memory."""
         tensor, _region = self._allocate(dims, dtype, device)
         if self._retained is not None:
-            self._retained.append(tensor)
+            with self._commit_lock:
+                if not self._closed and self._retained is not None:
+                    self._retained.append(tensor)
         return tensor
 
     def release(self, tensor: torch.Tensor) -> bool:
@@ -169,10 +174,11 @@ class HostTensorAllocator:
     def close(self) -> None:
         """Release every region this allocator made. Live views keep their pages mapped
         ("released, still mapped") until they die; nothing is unmapped under them."""
-        self._closed = True
-        # Release explicitly while our references still hold the regions, then drop them:
-        # dropping first would let the GC count the release as a leak.
-        retained, self._retained = self._retained, None if self._retained is None else []
+        with self._commit_lock:
+            self._closed = True
+            # Release explicitly while our references still hold the regions, then drop
+            # them: dropping first would let the GC count the release as a leak.
+            retained, self._retained = self._retained, None if self._retained is None else []
         for region in self._ledger.regions(owner=self._id):
             self._ledger.release(region.id)
         del retained
@@ -252,19 +258,38 @@ class HostTensorAllocator:
             )
             seconds = time.perf_counter() - started
             stack = capture_stack(skip=4) if self._tracking() else None
-            reservation.commit(
-                lambda: self._ledger.record(
-                    region,
-                    allocator=self.registered_name,
-                    owner=self._id,
-                    stack=stack,
-                    seconds=seconds,
-                    dims=shape,
-                    dtype=str(dtype),
-                    owned_by_tensor=self._retained is None,
-                )
-            )
+            with self._commit_lock:
+                if self._closed:
+                    # close() ran while this one was in flight: undo it, never record it.
+                    region.close()
+                    del holder  # the mapping goes with it (the Region holds it weakly)
+                    raise InvalidRequestError(
+                        f"allocator for pool {self.pool!r} was closed while allocating"
+                    )
+                self._commit(reservation, region, stack, seconds, shape, dtype)
         return region, holder, seconds
+
+    def _commit(
+        self,
+        reservation: Reservation,
+        region: Region,
+        stack: str | None,
+        seconds: float,
+        shape: tuple[int, ...],
+        dtype: Any,
+    ) -> None:
+        reservation.commit(
+            lambda: self._ledger.record(
+                region,
+                allocator=self.registered_name,
+                owner=self._id,
+                stack=stack,
+                seconds=seconds,
+                dims=shape,
+                dtype=str(dtype),
+                owned_by_tensor=self._retained is None,
+            )
+        )
 
     def _tracking(self) -> bool:
         if self._track_stacks is not None:

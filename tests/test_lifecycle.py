@@ -270,3 +270,59 @@ def test_share_sources_are_summed_and_held_weakly() -> None:
     finally:
         ledger.remove_share_source(a.attached_counts)
     assert "sharedpool" not in ledger.attached_clients()
+
+
+def test_close_while_an_allocation_is_in_flight_leaves_nothing_live(
+    monkeypatch: pytest.MonkeyPatch, no_leaked_fds: None
+) -> None:
+    """Issue 26 point 4: a region committed after `close()` stayed live, missing from the
+    LeakReport, and later counted as a leak. The allocation is held inside populate (a
+    real memfd, mapped) while the manager closes: it must be refused and undone."""
+    from hostpool.errors import InvalidRequestError
+    from hostpool.memory import create
+
+    entered, proceed = threading.Event(), threading.Event()
+    real_populate = create._populate
+
+    def populate_when_told(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        assert proceed.wait(120), "never told to proceed"
+        return real_populate(*args, **kwargs)
+
+    monkeypatch.setattr(create, "_populate", populate_when_told)
+    ledger = get_ledger()
+    before = ledger.counters()
+    manager = HostPoolManager()
+    alloc = manager.allocator("close_race")
+    outcome: dict[str, Any] = {}
+
+    def allocate() -> None:
+        try:
+            outcome["tensor"] = alloc.allocate((1 << 20,), torch.uint8)
+        except InvalidRequestError as exc:
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=allocate)
+    worker.start()
+    assert entered.wait(120), "the allocation never reached populate"
+    assert len(helpers.fd_links("hostpool.close_race.")) == 2  # the memfd and mmap's dup
+    report = manager.close()
+    proceed.set()
+    worker.join(120)
+    assert not worker.is_alive()
+    assert not report  # nothing was live when it closed
+    assert "tensor" not in outcome, "an allocation committed after close()"
+    assert "closed" in str(outcome["error"])
+    outcome.clear()  # the error's traceback holds frames of the allocation
+    gc.collect()
+    after = ledger.counters()
+    assert ledger.snapshot(["close_race"]) == []
+    assert helpers.fd_links("hostpool.close_race.") == {}
+    assert helpers.maps_lines("hostpool.close_race.") == []
+    key = ("close_race", "invalid")
+    assert after["failures_total"].get(key, 0) == before["failures_total"].get(key, 0) + 1
+    # Never recorded, so never released either way: no count of any kind moved.
+    for how in ("explicit", "tensor", "finalizer"):
+        assert after["releases_total"].get(("close_race", how), 0) == 0
+    assert after["allocations_total"].get(("close_race", "shm"), 0) == 0
+    assert manager.budget_reserved_bytes == 0
