@@ -1,0 +1,82 @@
+"""How sglang's host pools end, on the real pinned sglang (issue 26 point 1): `destroy()` is
+`explicit`, a pool dropped without it is `finalizer` (the leak signal) for every allocator
+type hostpool stands in for, and `alloc_shm`/`alloc_mmap` used by contract (sglang's nixl
+backend and weight checker) are never the leak signal."""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from hostpool.integrations import sglang as integration
+from hostpool.lifecycle import get_ledger
+from tests import helpers
+from tests.sglang import pools
+from tests.sglang.cpu_import import load_sglang
+
+
+@pytest.fixture(scope="module")
+def sglang_installed() -> Iterator[None]:
+    was = integration.installed()
+    load_sglang()
+    integration.install()
+    yield
+    if not was:
+        integration.uninstall()
+
+
+def _releases(pool: str) -> dict[str, int]:
+    ledger = get_ledger()
+    ledger.drain()
+    return {
+        how: n for (p, how), n in ledger.counters()["releases_total"].items() if p == pool and n
+    }
+
+
+@pytest.mark.parametrize("allocator_type", ["default", "shm"])
+def test_a_pool_dropped_without_destroy_is_the_leak_signal(
+    sglang_installed: None, no_leaked_fds: None, allocator_type: str
+) -> None:
+    label = f"dropped_{allocator_type}"
+    pool = pools.mha("layer_first", allocator_type, label)
+    assert [r.pool for r in get_ledger().snapshot([label])] == [label]
+    del pool
+    gc.collect()
+    assert get_ledger().snapshot([label]) == []
+    assert _releases(label) == {"finalizer": 1}
+
+
+@pytest.mark.parametrize("allocator_type", ["default", "shm"])
+def test_destroy_is_explicit(
+    sglang_installed: None, no_leaked_fds: None, allocator_type: str
+) -> None:
+    label = f"destroyed_{allocator_type}"
+    pool = pools.mha("layer_first", allocator_type, label)
+    pool.destroy()
+    del pool
+    gc.collect()
+    assert _releases(label) == {"explicit": 1}
+
+
+def test_sglang_alloc_shm_and_alloc_mmap_used_by_contract_are_never_the_leak_signal(
+    sglang_installed: None, no_leaked_fds: None
+) -> None:
+    from sglang.srt.mem_cache.storage.mmap import alloc_mmap, alloc_shm
+
+    before = {how: n for how, n in _releases("default").items()}
+    tensor, fd, mm = alloc_shm((1024,), torch.float32)
+    address = tensor.data_ptr()
+    os.close(fd)
+    mm.close()  # the caller's explicit release; the pages go with the tensor
+    del tensor, mm
+    arena = alloc_mmap((4096,), torch.uint8)  # nixl's staging buffer, weight checker's arena
+    del arena
+    gc.collect()
+    after = _releases("default")
+    delta = {how: n - before.get(how, 0) for how, n in after.items() if n != before.get(how, 0)}
+    assert delta == {"explicit": 1, "tensor": 1}
+    assert not helpers.range_mapped(address, 4096)
