@@ -14,6 +14,7 @@ any process using hostpool-named memfds): `hostpool exporter --match PREFIX` or
 | `hostpool_exporter_processes` | prefix | `--match` only: processes holding a match |
 | `hostpool_exporter_target_up` | pid | `--pid` only: 1 while the process exists, 0 once it exited |
 | `hostpool_exporter_scrape_duration_seconds` | | time this scrape spent reading /proc |
+| `hostpool_exporter_scrape_truncated` | | 1 when the scrape hit its time budget (partial sums) |
 
 Only the prefixes the operator asked for (`--match`) appear; `--pid` watches every known
 prefix but shows only those the process uses, and never exports
@@ -22,45 +23,56 @@ nothing). Any user can name a memfd `hostpool.<anything>.1.1`: past `max_pools` 
 per prefix, the smallest (by resident, then mapped bytes) are summed into one
 `pool="_other"` series, so the series count stays bounded.
 
-Sums over processes count an object shared by two processes twice (each maps it).
+Resident bytes are the pages each mapped object holds (`st_blocks` through one of the
+process's fds for it, at most the bytes the process maps of it; swapped-out shmem pages
+included), the same measure as `hostpool_resident_bytes`; for an object a process maps
+without holding an fd for it, the Rss and hugetlb pages of its mappings (smaps). Sums over
+processes count an object shared by two processes twice (each maps it).
 Processes this user may not read are skipped; the first scrape that meets one logs
 `hostpool.exporter_unreadable` with what is missing. A process that exits while it is
 being read is skipped.
+
+Each scrape reads /proc within a time budget (`scrape_budget`, default 5 s, half of
+Prometheus' default scrape timeout): past it, the scrape returns what it read, with
+`hostpool_exporter_scrape_truncated` 1 (and logs `hostpool.exporter_scrape_truncated`
+when a scrape is first cut short after a complete one), rather than timing out with
+nothing. Scrapes that arrive while one is reading /proc wait for it and share its result:
+concurrent scrapers (an HA Prometheus pair, a flood) cost one pass.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hostpool import events, procfs, procgroup
+from hostpool.errors import ConfigError
 from hostpool.textsafe import printable
 
 LABELS = ["prefix", "pool"]
 OTHER_POOL = "_other"
+DEFAULT_SCRAPE_BUDGET = 5.0  # seconds; Prometheus' default scrape_timeout is 10 s
+
+_Totals = procgroup.PoolTotals
 
 
-@dataclass
-class _Totals:
-    open_fds: int = 0
-    mapped_bytes: int = 0
-    resident_bytes: int = 0
-    mappings: int = 0
+class _Flight:
+    """One pass over /proc that concurrent scrapes share."""
 
-    def add(self, other: _Totals | procgroup.PoolUsage) -> None:
-        self.open_fds += other.open_fds
-        self.mapped_bytes += other.mapped_bytes
-        self.resident_bytes += other.resident_bytes
-        self.mappings += other.mappings
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.metrics: list[Metric] | None = None
+        self.error: BaseException | None = None
 
 
 class ProcfsCollector(Collector):
     """Exports one process (`pid`, every known prefix) or all processes matching `match`,
-    with at most `max_pools` pool series per prefix."""
+    with at most `max_pools` pool series per prefix, reading /proc for at most
+    `scrape_budget` seconds per scrape."""
 
     def __init__(
         self,
@@ -68,34 +80,64 @@ class ProcfsCollector(Collector):
         pid: int | None = None,
         match: Sequence[str] = (),
         max_pools: int,
+        scrape_budget: float = DEFAULT_SCRAPE_BUDGET,
     ) -> None:
         if (pid is None) == (not match):
-            raise ValueError("ProcfsCollector needs exactly one of pid= or match=")
+            raise ConfigError("ProcfsCollector needs exactly one of pid= or match=")
         if max_pools < 2:
-            raise ValueError("max_pools must be at least 2 (one pool and _other)")
+            raise ConfigError("max_pools must be at least 2 (one pool and _other)")
+        if not scrape_budget > 0:
+            raise ConfigError("scrape_budget must be a positive number of seconds")
         self.pid = pid
         self.prefixes = tuple(match) if match else procfs.KNOWN_PREFIXES
         self.max_pools = max_pools
+        self.scrape_budget = scrape_budget
+        self._matcher = procfs.Matcher(self.prefixes)
         self._warned_unreadable = False
         self._warned_folded: set[str] = set()
+        self._was_truncated = False
+        self._flight_lock = threading.Lock()
+        self._flight: _Flight | None = None
 
     def describe(self) -> Iterable[Metric]:
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
+        with self._flight_lock:
+            flight, leader = self._flight, self._flight is None
+            if flight is None:
+                flight = self._flight = _Flight()
+        if not leader:  # a pass is under way: its result is as fresh as ours would be
+            flight.done.wait()
+        else:
+            try:
+                flight.metrics = self._collect_once()
+            except BaseException as exc:
+                flight.error = exc
+            finally:
+                with self._flight_lock:
+                    self._flight = None
+                flight.done.set()
+        if flight.error is not None:
+            raise flight.error
+        assert flight.metrics is not None
+        return flight.metrics
+
+    def _collect_once(self) -> list[Metric]:
         started = time.perf_counter()
-        processes, target_up = self._processes()
+        deadline = time.monotonic() + self.scrape_budget
+        processes, target_up, truncated = self._processes(deadline)
         totals: dict[str, dict[str, _Totals]] = {}
         holders = dict.fromkeys(self.prefixes, 0)
-        for process in processes:
+        for pools_of_process in processes:
             seen: set[str] = set()
-            for usage in procgroup.pool_usage(procgroup.group_objects(process)):
-                pools = totals.setdefault(usage.prefix, {})
-                pools.setdefault(usage.pool, _Totals()).add(usage)
-                seen.add(usage.prefix)
+            for (prefix, pool), usage in pools_of_process.items():
+                pools = totals.setdefault(prefix, {})
+                pools.setdefault(pool, _Totals()).add(usage)
+                seen.add(prefix)
             for prefix in seen:
                 holders[prefix] += 1
-        fds, mapped, resident, mappings, folded, procs, target, duration = self._families()
+        fds, mapped, resident, mappings, folded, procs, target, duration, cut = self._families()
         # --match: every prefix asked for; --pid: only the prefixes the process uses
         prefixes = self.prefixes if self.pid is None else sorted(totals)
         for prefix in prefixes:
@@ -111,8 +153,20 @@ class ProcfsCollector(Collector):
                 procs.add_metric([prefix], count)
         else:
             target.add_metric([str(self.pid)], 1 if target_up else 0)
-        duration.add_metric([], time.perf_counter() - started)
-        return [fds, mapped, resident, mappings, folded, procs, target, duration]
+        elapsed = time.perf_counter() - started
+        duration.add_metric([], elapsed)
+        cut.add_metric([], 1 if truncated else 0)
+        if truncated and not self._was_truncated:
+            events.warning(
+                "hostpool.exporter_scrape_truncated",
+                budget_s=self.scrape_budget,
+                seconds=round(elapsed, 3),
+                processes_read=len(processes),
+                detail="the scrape returned partial sums; raise --scrape-budget (below "
+                "Prometheus' scrape_timeout) or narrow --match",
+            )
+        self._was_truncated = truncated
+        return [fds, mapped, resident, mappings, folded, procs, target, duration, cut]
 
     def _fold(
         self, prefix: str, pools: dict[str, _Totals]
@@ -144,24 +198,30 @@ class ProcfsCollector(Collector):
             )
         return [*sorted(kept), (OTHER_POOL, other)], n_folded
 
-    def _processes(self) -> tuple[list[procfs.ProcessShm], bool]:
-        """The processes to sum, and (for --pid) whether the target still exists."""
+    def _processes(
+        self, deadline: float
+    ) -> tuple[list[dict[tuple[str, str], _Totals]], bool, bool]:
+        """Per-pool totals of each process to sum, whether (for --pid) the target still
+        exists, and whether the deadline cut the reading short."""
         if self.pid is not None:
             try:
-                return [procfs.read_process(self.pid, self.prefixes)], True
+                holdings = procfs.read_holdings(self.pid, self._matcher, deadline=deadline)
             except procfs.ProcessNotFoundError:
-                return [], False  # it exited: its gauges go, target_up drops to 0
+                return [], False, False  # it exited: its gauges go, target_up drops to 0
             except procfs.ProcessAccessError as exc:
                 self._warn_unreadable(1, str(exc))
-                return [], True
-        result = procgroup.scan(self.prefixes)
+                return [], True, False
+            finally:
+                self._matcher.next_scan()
+            return [procgroup.holdings_totals(holdings)], True, not holdings.complete
+        result = procgroup.scan_totals(self._matcher, deadline=deadline)
         if result.unreadable:
             self._warn_unreadable(
                 result.unreadable,
                 "run as root with CAP_SYS_PTRACE, or as the servers' user "
                 "(`hostpool inspect PID` of one says what is missing)",
             )
-        return result.processes, True
+        return [pools for _pid, pools in result.processes], True, result.truncated
 
     def _warn_unreadable(self, count: int, detail: str) -> None:
         if not self._warned_unreadable:
@@ -208,4 +268,9 @@ class ProcfsCollector(Collector):
         yield GaugeMetricFamily(
             "hostpool_exporter_scrape_duration_seconds",
             "Seconds this scrape spent reading /proc.",
+        )
+        yield GaugeMetricFamily(
+            "hostpool_exporter_scrape_truncated",
+            "1 when this scrape reached its time budget (--scrape-budget) before reading "
+            "every process: the other gauges are then partial sums.",
         )

@@ -22,13 +22,17 @@ surrogate escapes): printing them is the presentation's job (`hostpool.textsafe`
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import stat
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from hostpool.errors import HostPoolError
+from hostpool.errors import ConfigError, HostPoolError
 from hostpool.procaccess import why_denied, why_not_found
 
 HOSTPOOL_PREFIX: Final = "hostpool."
@@ -443,3 +447,393 @@ def command_name(pid: Pid) -> str | None:
             return f.read().removesuffix("\n")
     except OSError:
         return None
+
+
+# -- holdings at scale (the exporter) ---------------------------------------------------
+#
+# `read_process` keeps every fd and VMA and reads smaps (a page-table walk: ~70 ms per
+# populated 4 GiB). The exporter needs less per object: its name, the bytes mapped and
+# the pages it holds. So maps is parsed in bulk (one regex over the file, keeping only the
+# lines that name a prefix), each fd is identified with one syscall where possible, and
+# residency is one statx per object (`st_blocks`: the same cost at any size).
+
+Key = tuple[int, int] | bytes  # (st_dev, st_ino); an inode-less anonymous VMA's path
+
+AT_STATX_DONT_SYNC: Final = 0x4000
+_STATX_MASK: Final = 0x1 | 0x100 | 0x400  # STATX_TYPE | STATX_INO | STATX_BLOCKS
+_CHECK_EVERY: Final = 256  # fds between two looks at the deadline
+_NAMES_KEPT: Final = 1 << 20
+_ROTATE_EVERY: Final = 16  # complete scans between two clean-ups of the parsed paths
+_UNKNOWN: Final[Any] = object()
+
+
+class Matcher:
+    """The shm paths that name one of `prefixes`, and what each says (kind, parsed name).
+
+    Parsed paths are kept from one scan to the next (`next_scan`): a name lives as long
+    as its object, so a scrape parses only the names that are new since the last. Only
+    the paths the last two scans met are kept, so memory follows what processes hold.
+    Not locked: concurrent scans with one Matcher at worst parse a name twice.
+    """
+
+    def __init__(self, prefixes: Sequence[str]) -> None:
+        if not prefixes or not all(prefixes):
+            raise ConfigError("a Matcher needs non-empty prefixes")
+        self.prefixes = tuple(prefixes)
+        self.needles = tuple(p.encode(errors="surrogateescape") for p in self.prefixes)
+        # a maps (or smaps header) line whose path mentions a prefix: start, end, offset,
+        # major:minor, inode, path; the regex engine skips every other line
+        alternatives = b"|".join(re.escape(n) for n in self.needles)
+        self.maps_line = re.compile(
+            rb"^([0-9a-f]+)-([0-9a-f]+) \S+ ([0-9a-f]+) ([0-9a-f]+:[0-9a-f]+) (\d+) +"
+            rb"([^\n]*?(?:" + alternatives + rb")[^\n]*)$",
+            re.MULTILINE,
+        )
+        self.parsed: dict[bytes, tuple[Kind, ShmName] | None] = {}  # met in this scan
+        self._previous: dict[bytes, tuple[Kind, ShmName] | None] = {}
+        self.devices: dict[bytes, int] = {}  # maps `major:minor` -> st_dev
+        self._scans = 0
+
+    def mentions(self, data: bytes) -> bool:
+        """Whether `data` contains any prefix (libc memmem)."""
+        return any(_contains(data, n) for n in self.needles)
+
+    def lookup(self, path: bytes) -> tuple[Kind, ShmName] | None:
+        """(kind, name) for a maps path or an fd's link, None if it names no match."""
+        hit = self.parsed.get(path, _UNKNOWN)
+        if hit is not _UNKNOWN:
+            return hit  # type: ignore[no-any-return]
+        hit = self._previous.get(path, _UNKNOWN)
+        if hit is _UNKNOWN:
+            classified = classify_path(path.decode(errors="surrogateescape"))
+            parsed = parse_name(classified[1], self.prefixes) if classified else None
+            hit = None if classified is None or parsed is None else (classified[0], parsed)
+        self.parsed[path] = hit
+        return hit  # type: ignore[no-any-return]
+
+    def device(self, text: bytes) -> int:
+        """st_dev of a maps `major:minor` field (few distinct values: cached)."""
+        dev = self.devices.get(text)
+        if dev is None:
+            major, _, minor = text.partition(b":")
+            dev = self.devices[text] = os.makedev(int(major, 16), int(minor, 16))
+        return dev
+
+    def next_scan(self, *, complete: bool = True) -> None:
+        """Called after each scan: every `_ROTATE_EVERY` complete scans, forget the paths
+        none of them met (the objects are gone). Between, and after scans cut short (the
+        processes they did not reach still hold theirs), paths are kept, up to a cap on
+        what a flood of ever-new names can make it keep."""
+        self._scans += complete
+        if self._scans >= _ROTATE_EVERY or len(self.parsed) + len(self._previous) > _NAMES_KEPT:
+            self._previous, self.parsed, self._scans = self.parsed, {}, 0
+
+
+@dataclass(slots=True)
+class HeldObject:
+    """One mapped shm object as one process holds it (summed, no per-VMA detail)."""
+
+    kind: Kind
+    name: ShmName
+    path: bytes  # as maps shows it: the same text as an fd's link to the object
+    mappings: int  # logical mappings (the VMAs one mmap was split into count once)
+    mapped_bytes: int
+    end: int  # of its last VMA so far, to join the next one
+    offset_end: int  # file offset where that VMA ends
+    fds: int = 0
+    allocated_bytes: int | None = None  # st_blocks * 512 through one of its fds; None: no fd
+    smaps_resident: int | None = None  # Rss + hugetlb of its VMAs, read only without an fd
+
+    @property
+    def resident_bytes(self) -> int:
+        """Pages the object holds (swapped-out shmem pages included), at most the bytes
+        mapped here; for an object this process maps without an fd for it, the Rss and
+        hugetlb pages of its mappings."""
+        if self.allocated_bytes is not None:
+            return min(self.allocated_bytes, self.mapped_bytes)
+        return self.smaps_resident or 0
+
+
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """What one process holds of the matched objects, for per-pool totals."""
+
+    pid: int
+    objects: dict[Key, HeldObject]  # mapped objects, with the fds that refer to them
+    unmapped_fds: dict[bytes, tuple[ShmName, int]]  # the other matched fds, by link
+    complete: bool  # False when the deadline stopped the reading part way
+
+
+def read_holdings(
+    pid: Pid,
+    matcher: Matcher,
+    *,
+    deadline: float | None = None,
+    pages: dict[Key, int] | None = None,
+) -> Holdings:
+    """The matched objects `pid` maps and the matched fds it holds.
+
+    Maps first (every mapped object with its inode), then the fd directory: where mapped
+    objects make up at least a quarter of the fds, every fd is statx-ed (one syscall
+    identifies it by inode and gives its object's pages; only unmapped regular files are
+    read as links too), else every fd's link is read and one fd per mapped object is
+    statx-ed. `pages` (object -> st_blocks * 512), shared by the reads of one scan, saves
+    that statx for an object another process's fd already measured, and gives it to an
+    object mapped here without an fd; the rest take their residency from smaps.
+    `deadline` (a time.monotonic() value) stops the reading part way: `complete` is then
+    False. Raises ProcessNotFoundError / ProcessAccessError like the other readers.
+    """
+    data = read_proc_bytes(pid, f"/proc/{pid}/maps")
+    objects = _mapped_objects(data, matcher) if matcher.mentions(data) else {}
+    if pages:
+        for key, obj in objects.items():
+            obj.allocated_bytes = pages.get(key)
+    unmapped, complete = _held_fds(pid, matcher, objects, deadline)
+    unresolved = set()
+    for key, obj in objects.items():
+        if obj.allocated_bytes is None:
+            unresolved.add(key)
+        elif pages is not None:
+            pages[key] = obj.allocated_bytes
+    if unresolved and complete:
+        if deadline is not None and time.monotonic() > deadline:
+            complete = False
+        else:
+            for key, resident in _smaps_resident(pid, matcher, unresolved).items():
+                objects[key].smaps_resident = resident
+    real_pid = os.getpid() if pid == "self" else pid
+    return Holdings(real_pid, objects, unmapped, complete)
+
+
+def _mapped_objects(data: bytes, matcher: Matcher) -> dict[Key, HeldObject]:
+    objects: dict[Key, HeldObject] = {}
+    known, lookup = matcher.parsed.get, matcher.lookup
+    devices, device = matcher.devices.get, matcher.device
+    for start, end, offset, dev, ino, path in matcher.maps_line.findall(data):
+        hit = known(path, _UNKNOWN)
+        if hit is _UNKNOWN:
+            hit = lookup(path)
+        if hit is None:
+            continue
+        key: Key = (devices(dev) or device(dev), int(ino)) if ino != b"0" else path
+        lo, hi = int(start, 16), int(end, 16)
+        obj = objects.get(key)
+        if obj is None:
+            objects[key] = HeldObject(hit[0], hit[1], path, 1, hi - lo, hi,
+                                      int(offset, 16) + hi - lo)  # fmt: skip
+            continue
+        # maps is sorted by address: a VMA starting where this object's last one ended,
+        # at the next offset in the file, is the rest of one mmap split by madvise
+        at = int(offset, 16)
+        if not (obj.end == lo and (obj.kind == "anon" or obj.offset_end == at)):
+            obj.mappings += 1
+        obj.mapped_bytes += hi - lo
+        obj.end, obj.offset_end = hi, at + hi - lo
+    return objects
+
+
+Unmapped = dict[bytes, tuple[ShmName, int]]
+
+
+def _held_fds(
+    pid: Pid, matcher: Matcher, objects: dict[Key, HeldObject], deadline: float | None
+) -> tuple[Unmapped, bool]:
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        dir_fd = os.open(fd_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except _GONE:
+        raise ProcessNotFoundError(pid) from None
+    except PermissionError:
+        raise ProcessAccessError(pid, fd_dir) from None
+    try:
+        try:  # bytes names: links come back as bytes, as maps paths do
+            entries = os.listdir(os.fsencode(fd_dir))
+        except _GONE:
+            raise ProcessNotFoundError(pid) from None
+        except PermissionError:
+            raise ProcessAccessError(pid, fd_dir) from None
+        reader = _FdReader(pid, fd_dir, dir_fd, matcher, objects)
+        with_inode = sum(1 for key in objects if type(key) is tuple)
+        if with_inode and 4 * with_inode >= len(entries):
+            return reader.by_stat(entries, deadline)
+        return reader.by_link(entries, deadline)
+    finally:
+        os.close(dir_fd)
+
+
+class _FdReader:
+    """One process's fd directory, read against its mapped objects."""
+
+    def __init__(
+        self, pid: Pid, fd_dir: str, dir_fd: int, matcher: Matcher, objects: dict[Key, HeldObject]
+    ) -> None:
+        self.pid, self.fd_dir, self.dir_fd = pid, fd_dir, dir_fd
+        self.matcher, self.objects = matcher, objects
+        self.unmapped: Unmapped = {}
+
+    def by_stat(self, entries: list[bytes], deadline: float | None) -> tuple[Unmapped, bool]:
+        objects, dir_fd = self.objects, self.dir_fd
+        for i, entry in enumerate(entries):
+            if deadline is not None and i % _CHECK_EVERY == 0 and time.monotonic() > deadline:
+                return self.unmapped, False
+            try:
+                mode, dev, ino, blocks = stat_fd(dir_fd, entry)
+            except _GONE:
+                continue  # closed since the listing
+            except PermissionError:
+                # the filesystem refused (a FUSE mount of another user): its link still
+                # names it, and a link we may not read means the process is closed to us
+                self._unmapped(entry)
+                continue
+            obj = objects.get((dev, ino))
+            if obj is not None:
+                obj.fds += 1
+                obj.allocated_bytes = blocks * 512
+            elif stat.S_ISREG(mode):  # memfds and shm files are regular files
+                self._unmapped(entry)
+        return self.unmapped, True
+
+    def by_link(self, entries: list[bytes], deadline: float | None) -> tuple[Unmapped, bool]:
+        objects, dir_fd, lookup = self.objects, self.dir_fd, self.matcher.lookup
+        needles = self.matcher.needles
+        by_path: dict[bytes, list[HeldObject]] = {}  # the fd links that name mapped objects
+        for held in objects.values():
+            if held.kind != "anon":
+                by_path.setdefault(held.path, []).append(held)
+        for i, entry in enumerate(entries):
+            if deadline is not None and i % _CHECK_EVERY == 0 and time.monotonic() > deadline:
+                return self.unmapped, False
+            target = self._link(entry)
+            if target is None or not any(n in target for n in needles):
+                continue
+            candidates = by_path.get(target)
+            if candidates is None:
+                hit = lookup(target)
+                if hit is not None:
+                    self._count(target, hit[1])
+                continue
+            # which of the objects of that name: its inode says (needed once per object,
+            # for its pages); the name alone decides the pool
+            if any(held.allocated_bytes is None for held in candidates):
+                try:
+                    _mode, dev, ino, blocks = stat_fd(dir_fd, entry)
+                except OSError:
+                    continue  # closed since (or refused): counted by nothing else either
+                found = objects.get((dev, ino))
+                if found is None:
+                    self._count(target, candidates[0].name)  # an unmapped namesake
+                    continue
+                found.allocated_bytes = blocks * 512
+                found.fds += 1
+            else:
+                candidates[0].fds += 1  # same name, same pool
+        return self.unmapped, True
+
+    def _link(self, entry: bytes) -> bytes | None:
+        try:
+            return os.readlink(entry, dir_fd=self.dir_fd)
+        except _GONE:
+            return None  # closed since the listing
+        except PermissionError:
+            raise ProcessAccessError(self.pid, self.fd_dir) from None
+
+    def _unmapped(self, entry: bytes) -> None:
+        target = self._link(entry)
+        if target is not None and any(n in target for n in self.matcher.needles):
+            hit = self.matcher.lookup(target)
+            if hit is not None:
+                self._count(target, hit[1])
+
+    def _count(self, target: bytes, name: ShmName) -> None:
+        seen = self.unmapped.get(target)
+        self.unmapped[target] = (name, 1 if seen is None else seen[1] + 1)
+
+
+def _smaps_resident(pid: Pid, matcher: Matcher, keys: set[Key]) -> dict[Key, int]:
+    """Rss + hugetlb pages of the VMAs of `keys` (each smaps entry is its maps line, then
+    `Name: value kB` fields, VmFlags last)."""
+    data = read_proc_bytes(pid, f"/proc/{pid}/smaps")
+    out: dict[Key, int] = {}
+    for m in matcher.maps_line.finditer(data):
+        _start, _end, _offset, dev, ino, path = m.groups()
+        key: Key = (matcher.device(dev), int(ino)) if ino != b"0" else path
+        if key not in keys:
+            continue
+        stop = data.find(b"\nVmFlags:", m.end())
+        stop = len(data) if stop < 0 else stop
+        resident = sum(
+            _smaps_field(data, field, m.end(), stop)
+            for field in (b"\nRss:", b"\nShared_Hugetlb:", b"\nPrivate_Hugetlb:")
+        )
+        out[key] = out.get(key, 0) + resident
+    return out
+
+
+def _smaps_field(data: bytes, field: bytes, start: int, stop: int) -> int:
+    at = data.find(field, start, stop)
+    if at < 0:
+        return 0
+    at += len(field)
+    return int(data[at : data.find(b" kB", at, stop)]) * 1024
+
+
+def stat_fd(dir_fd: int, entry: bytes) -> tuple[int, int, int, int]:
+    """(st_mode, st_dev, st_ino, st_blocks) of the object that the fd
+    `entry` of an open /proc/PID/fd directory refers to.
+
+    statx(AT_STATX_DONT_SYNC) takes what the kernel has cached: the filesystem is not
+    asked to revalidate, so another user's FUSE daemon cannot stall the read by never
+    answering, nor a network filesystem by being slow. Plain stat() where libc lacks
+    statx. Raises OSError as os.stat does.
+    """
+    if _statx is None:
+        st = os.stat(entry, dir_fd=dir_fd)
+        return st.st_mode, st.st_dev, st.st_ino, st.st_blocks
+    buf = getattr(_per_thread, "statx", None)
+    if buf is None:  # one buffer per thread: scrapes may run side by side
+        buf = _per_thread.statx = _Statx()
+    if _statx(dir_fd, entry, AT_STATX_DONT_SYNC, _STATX_MASK, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), entry)
+    return buf.mode, os.makedev(buf.dev_major, buf.dev_minor), buf.ino, buf.blocks
+
+
+class _Statx(ctypes.Structure):
+    # struct statx (linux/stat.h): the fields read here, the rest padding, 256 bytes
+    _fields_ = [
+        ("mask", ctypes.c_uint32),
+        ("blksize", ctypes.c_uint32),
+        ("attributes", ctypes.c_uint64),
+        ("nlink", ctypes.c_uint32),
+        ("uid", ctypes.c_uint32),
+        ("gid", ctypes.c_uint32),
+        ("mode", ctypes.c_uint16),
+        ("_spare0", ctypes.c_uint16),
+        ("ino", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("blocks", ctypes.c_uint64),
+        ("attributes_mask", ctypes.c_uint64),
+        ("_times", ctypes.c_uint8 * 64),  # atime, btime, ctime, mtime
+        ("rdev_major", ctypes.c_uint32),
+        ("rdev_minor", ctypes.c_uint32),
+        ("dev_major", ctypes.c_uint32),
+        ("dev_minor", ctypes.c_uint32),
+        ("_rest", ctypes.c_uint8 * 112),
+    ]
+
+
+def _load_statx() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).statx
+    except (OSError, AttributeError):
+        return None  # libc without statx (glibc < 2.28)
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint,
+                   ctypes.POINTER(_Statx)]  # fmt: skip
+    fn.restype = ctypes.c_int
+    if fn(-100, b"/", 0, _STATX_MASK, _Statx()) != 0:  # AT_FDCWD; ENOSYS before 4.11
+        return None
+    return fn
+
+
+_statx: Any = _load_statx()
+_per_thread = threading.local()

@@ -5,18 +5,23 @@ readings; `inspect`, the exporter and the leak check use them."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from hostpool.procfs import (
+    Holdings,
+    Key,
     Kind,
+    Matcher,
     ProcessAccessError,
     ProcessNotFoundError,
     ProcessShm,
     ShmFd,
     ShmMapping,
     ShmName,
+    read_holdings,
     read_process,
 )
 
@@ -199,4 +204,84 @@ def scan(prefixes: Sequence[str], *, usage: bool = True) -> Scan:
             continue
         if process.fds or process.mappings:
             result.processes.append(process)
+    return result
+
+
+# -- per-pool totals at scale (the exporter) ----------------------------------------------
+
+
+@dataclass(slots=True)
+class PoolTotals:
+    """What processes hold of one (prefix, pool): a sum, so it can add more."""
+
+    open_fds: int = 0
+    mappings: int = 0  # logical mappings
+    mapped_bytes: int = 0
+    resident_bytes: int = 0
+
+    def add(self, other: PoolTotals) -> None:
+        self.open_fds += other.open_fds
+        self.mappings += other.mappings
+        self.mapped_bytes += other.mapped_bytes
+        self.resident_bytes += other.resident_bytes
+
+
+def holdings_totals(holdings: Holdings) -> dict[tuple[str, str], PoolTotals]:
+    """One process's holdings summed per (prefix, pool)."""
+    out: dict[tuple[str, str], PoolTotals] = {}
+    for obj in holdings.objects.values():
+        pool = (obj.name.prefix, obj.name.pool)
+        totals = out.get(pool)
+        if totals is None:
+            totals = out[pool] = PoolTotals()
+        totals.open_fds += obj.fds
+        totals.mappings += obj.mappings
+        totals.mapped_bytes += obj.mapped_bytes
+        totals.resident_bytes += obj.resident_bytes
+    for name, count in holdings.unmapped_fds.values():
+        pool = (name.prefix, name.pool)
+        totals = out.get(pool)
+        if totals is None:
+            totals = out[pool] = PoolTotals()
+        totals.open_fds += count
+    return out
+
+
+@dataclass
+class TotalsScan:
+    """Per-pool totals of every readable process holding a match, read within a deadline."""
+
+    processes: list[tuple[int, dict[tuple[str, str], PoolTotals]]] = field(default_factory=list)
+    unreadable: int = 0  # processes whose /proc entries this user may not read
+    truncated: bool = False  # the deadline passed before every process was read in full
+
+
+def scan_totals(matcher: Matcher, *, deadline: float | None = None) -> TotalsScan:
+    """`read_holdings` of every process but this one, in pid order, until `deadline`
+    (time.monotonic()): what was read by then is returned, with `truncated` set."""
+    import psutil  # lazy: only the exporter and inspect pay for it
+
+    result = TotalsScan()
+    me = os.getpid()
+    pages: dict[Key, int] = {}  # each object's pages, measured once per scan
+    for pid in psutil.pids():
+        if pid == me:
+            continue
+        if deadline is not None and time.monotonic() > deadline:
+            result.truncated = True
+            break
+        try:
+            holdings = read_holdings(pid, matcher, deadline=deadline, pages=pages)
+        except ProcessNotFoundError:
+            continue
+        except ProcessAccessError:
+            result.unreadable += 1
+            continue
+        if not holdings.complete:
+            result.truncated = True
+        if holdings.objects or holdings.unmapped_fds:
+            result.processes.append((holdings.pid, holdings_totals(holdings)))
+        if result.truncated:
+            break
+    matcher.next_scan(complete=not result.truncated)
     return result

@@ -13,6 +13,9 @@ from hostpool import events, procfs
 from hostpool.errors import ConfigError
 from hostpool.textsafe import printable
 
+# the collector's default, without importing prometheus_client for --help
+DEFAULT_SCRAPE_BUDGET = 5.0
+
 # Real servers have a handful of pools (kv, swa, mamba, ...); sglang's raw names all
 # count as one (pool "-").
 DEFAULT_MAX_POOLS = 32
@@ -43,6 +46,15 @@ def add_parser(sub: Any) -> None:
         help=f"pool series per prefix at most ({DEFAULT_MAX_POOLS}); the smallest pools past "
         'it are summed into pool="_other" (any user can name memfds after a prefix)',
     )
+    p.add_argument(
+        "--scrape-budget",
+        type=_budget,
+        default=DEFAULT_SCRAPE_BUDGET,
+        metavar="SECONDS",
+        help=f"time one scrape may spend reading /proc ({DEFAULT_SCRAPE_BUDGET:g}); past it the "
+        "scrape answers with what it read and hostpool_exporter_scrape_truncated 1 "
+        "(keep it below Prometheus' scrape_timeout)",
+    )
     p.set_defaults(run=run)
 
 
@@ -67,7 +79,12 @@ def run(args: argparse.Namespace) -> int:
 
     registry = CollectorRegistry(auto_describe=True)
     registry.register(
-        ProcfsCollector(pid=args.pid, match=args.match or (), max_pools=args.max_pools)
+        ProcfsCollector(
+            pid=args.pid,
+            match=args.match or (),
+            max_pools=args.max_pools,
+            scrape_budget=args.scrape_budget,
+        )
     )
     try:
         http = Listener(bind(args.host, args.port)).serve(make_wsgi_app(registry))
@@ -115,3 +132,15 @@ def _pid(text: str) -> int:
 
 def _max_pools(text: str) -> int:
     return _int_in(text, "--max-pools", 2, 10_000)
+
+
+def _budget(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--scrape-budget must be a number of seconds, got {text!r}"
+        ) from None
+    if not 0.001 <= value <= 300:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"--scrape-budget must be 0.001..300 seconds, got {text}")
+    return value
