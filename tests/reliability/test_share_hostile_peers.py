@@ -64,7 +64,9 @@ def test_attach_timeout_is_one_deadline_for_the_whole_attach(tmp_path: os.PathLi
         with pytest.raises(ShareError, match="did not complete within 2"):
             attach(path, "kv", timeout=2, allow_unsealed=True)
         held = time.monotonic() - start
-        assert 1.9 < held < 3.0, held
+        # One deadline: about 2 s, where per-packet timeouts would hold it 10 s (a busy
+        # host may add to the 2 s, never 8 s more).
+        assert 1.9 < held < 6.0, held
         assert _trickle_fds() == []  # the fds that had arrived are closed
     finally:
         server.kill()
