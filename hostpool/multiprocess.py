@@ -93,15 +93,15 @@ class MultiprocessPublisher:
         writing raised (`publish_guarded()` is the form that never does)."""
         started = time.perf_counter()
         targets = _targets(measure(self.ledger))
+        name = "hostpool_scrape_duration_seconds"
+        scrape: _Key = ("gauge", "livemax", name, name, (), ())
         with _values_lock:
             # A gauge series that went away is zeroed (clear() is unsupported here).
             for key in _published:
-                if key[0] == "gauge" and key not in targets:
+                if key[0] == "gauge" and key not in targets and key != scrape:
                     targets[key] = 0.0
             for key, value in targets.items():
                 _value(key).set(value)
-            name = "hostpool_scrape_duration_seconds"
-            scrape: _Key = ("gauge", "livemax", name, name, (), ())
             _value(scrape).set(time.perf_counter() - started)
 
     def publish_guarded(self) -> bool:
