@@ -265,7 +265,10 @@ class RogueServer:
         make_fds: Callable[[], list[int]],
         *,
         uid: int | None = None,
+        after_send: Callable[[list[int]], None] | None = None,
     ) -> None:
+        """`after_send(fds)` runs once the fds are sent (a server turning on its client)."""
+
         def serve() -> str:
             import socket
             import threading
@@ -285,6 +288,8 @@ class RogueServer:
                         protocol.send(conn, head)
                         if fds:
                             protocol.send(conn, {"op": "fds", "index": 0}, fds)
+                        if after_send is not None:
+                            after_send(fds)
                         conn.recv(1)  # until the client hangs up
 
             threading.Thread(target=loop, daemon=True).start()

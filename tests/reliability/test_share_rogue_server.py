@@ -36,6 +36,7 @@ from tests.reliability.share_support import (
     public_dir,
     rogue_head,
     rogue_memfd,
+    wait_until,
 )
 
 __all__ = ["public_dir"]
@@ -144,17 +145,28 @@ def test_hugetlb_fds_only_from_a_trusted_server_or_sealed_against_punching(
 ) -> None:
     huge = 2 * MiB
     for seals, expect in ((SEALED, "punch"), (SEALED | F_SEAL_FUTURE_WRITE, None)):
-        path = os.path.join(dir_of(NOBODY, public_dir), f"huge-{seals}.sock")
+        home = dir_of(NOBODY, public_dir)
+        path = os.path.join(home, f"huge-{seals}.sock")
+        punched = os.path.join(home, "punched")
         rogue = RogueServer(
             path,
             rogue_head([_region(huge)]),
             lambda s=seals: [rogue_memfd(huge, seals=s, hugetlb=True, fill=True)],  # type: ignore[misc]
             uid=NOBODY,
+            # ... then tries to punch the hugepage out from under its client
+            after_send=lambda fds, out=punched: Path(out).write_text(_punch(fds[0], huge)),  # type: ignore[misc]
         )
         try:
             if expect is None:
-                with attach(path, "kv", server_uids=[NOBODY], timeout=30) as h:
-                    assert int(h.tensors[0].sum()) == 0
+
+                def client(path: str = path, punched: str = punched) -> int:
+                    with attach(path, "kv", server_uids=[NOBODY], timeout=30) as h:
+                        wait_for_file(punched)  # the server has tried its worst
+                        return int(h.tensors[0].sum())
+
+                held = Held(client)  # a SIGBUS would end this child, not the test runner
+                assert held.end() == 0 and held.result == 0
+                assert Path(punched).read_text() == "EPERM"  # the seal stopped it
             else:
                 with pytest.raises(ShareError, match=rf"hugetlb.*uid {NOBODY}.*{expect}"):
                     attach(path, "kv", server_uids=[NOBODY], timeout=30)
@@ -170,6 +182,21 @@ def test_hugetlb_fds_only_from_a_trusted_server_or_sealed_against_punching(
             assert h.tensors[0].numel() == huge
     finally:
         rogue.stop()
+
+
+def _punch(fd: int, length: int) -> str:
+    """fallocate(PUNCH_HOLE) on `fd`: "punched" or the errno's name."""
+    import ctypes
+    import errno
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.fallocate(fd, 0x02 | 0x01, ctypes.c_long(0), ctypes.c_long(length)) == 0:
+        return "punched"
+    return errno.errorcode[ctypes.get_errno()]
+
+
+def wait_for_file(path: str) -> None:
+    wait_until(lambda: os.path.exists(path) and os.path.getsize(path) > 0, f"{path} written")
 
 
 @pytest.mark.usefixtures("untouched")
