@@ -578,7 +578,8 @@ EXPORTER = RowSpec(
             "sglang_host_pool_): check `hostpool exporter --match`. With `--pid`: 1 while "
             "the watched process exists, 0 once it exited. Folded: pools past the "
             'exporter\'s --max-pools, summed into pool="_other" (someone names many memfds '
-            "after the prefix).",
+            "after the prefix). Truncated: 1 while scrapes reach the exporter's "
+            "--scrape-budget before reading every process (its sums are then partial).",
             "short",
             (
                 q(f"sum by (prefix) (hostpool_exporter_processes{{{TARGET}}})", "{{prefix}}"),
@@ -586,6 +587,10 @@ EXPORTER = RowSpec(
                 q(
                     f"sum by (prefix) (hostpool_exporter_pools_folded{{{TARGET}}})",
                     "{{prefix}} folded pools",
+                ),
+                q(
+                    f"max by (instance) (hostpool_exporter_scrape_truncated{{{TARGET}}})",
+                    "{{instance}} truncated",
                 ),
             ),
             width=24,

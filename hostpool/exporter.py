@@ -213,7 +213,10 @@ class ProcfsCollector(Collector):
                 return [], True, False
             finally:
                 self._matcher.next_scan()
-            return [procgroup.holdings_totals(holdings)], True, not holdings.complete
+            in_time = time.monotonic() <= deadline
+            complete = procfs.fill_residency(holdings, self._matcher, {}, smaps=in_time)
+            complete = complete and holdings.complete
+            return [procgroup.holdings_totals(holdings)], True, not complete
         result = procgroup.scan_totals(self._matcher, deadline=deadline)
         if result.unreadable:
             self._warn_unreadable(

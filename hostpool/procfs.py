@@ -564,45 +564,71 @@ class Holdings:
     complete: bool  # False when the deadline stopped the reading part way
 
 
+FdStrategy = Literal["auto", "stat", "link"]
+
+
 def read_holdings(
     pid: Pid,
     matcher: Matcher,
     *,
     deadline: float | None = None,
     pages: dict[Key, int] | None = None,
+    fds_by: FdStrategy = "auto",
 ) -> Holdings:
-    """The matched objects `pid` maps and the matched fds it holds.
+    """The matched objects `pid` maps and the matched fds it holds, with each mapped
+    object's pages where one of its fds here (or `pages`) tells them.
 
-    Maps first (every mapped object with its inode), then the fd directory: where mapped
-    objects make up at least a quarter of the fds, every fd is statx-ed (one syscall
-    identifies it by inode and gives its object's pages; only unmapped regular files are
-    read as links too), else every fd's link is read and one fd per mapped object is
-    statx-ed. `pages` (object -> st_blocks * 512), shared by the reads of one scan, saves
-    that statx for an object another process's fd already measured, and gives it to an
-    object mapped here without an fd; the rest take their residency from smaps.
-    `deadline` (a time.monotonic() value) stops the reading part way: `complete` is then
-    False. Raises ProcessNotFoundError / ProcessAccessError like the other readers.
+    Maps first (every mapped object with its inode), then the fd directory, one of two
+    ways (`fds_by`; "auto" picks the cheaper, the results are the same): "stat" statx-es
+    every fd (one syscall identifies it by inode and gives its object's pages; only
+    unmapped regular files are read as links too), the cheaper way when mapped objects
+    make up at least a quarter of the fds; "link" reads every fd's link and statx-es one
+    fd per mapped object. `pages` (object -> st_blocks * 512) is shared by the reads of
+    one scan: it saves the statx of an object another process measured, and is filled
+    with what this read measured. Objects left without pages get them from
+    `fill_residency`. `deadline` (a time.monotonic() value) stops the reading part way:
+    `complete` is then False. Raises ProcessNotFoundError / ProcessAccessError like the
+    other readers.
     """
     data = read_proc_bytes(pid, f"/proc/{pid}/maps")
     objects = _mapped_objects(data, matcher) if matcher.mentions(data) else {}
     if pages:
         for key, obj in objects.items():
             obj.allocated_bytes = pages.get(key)
-    unmapped, complete = _held_fds(pid, matcher, objects, deadline)
-    unresolved = set()
-    for key, obj in objects.items():
-        if obj.allocated_bytes is None:
-            unresolved.add(key)
-        elif pages is not None:
-            pages[key] = obj.allocated_bytes
-    if unresolved and complete:
-        if deadline is not None and time.monotonic() > deadline:
-            complete = False
-        else:
-            for key, resident in _smaps_resident(pid, matcher, unresolved).items():
-                objects[key].smaps_resident = resident
+    unmapped, complete = _held_fds(pid, matcher, objects, deadline, fds_by)
+    if pages is not None:
+        for key, obj in objects.items():
+            if obj.allocated_bytes is not None:
+                pages[key] = obj.allocated_bytes
     real_pid = os.getpid() if pid == "self" else pid
     return Holdings(real_pid, objects, unmapped, complete)
+
+
+def fill_residency(
+    holdings: Holdings, matcher: Matcher, pages: dict[Key, int], *, smaps: bool = True
+) -> bool:
+    """Residency for the objects a read left without pages (mapped with no fd in that
+    process): the pages another process's fd measured (`pages`), else the Rss and hugetlb
+    pages of the process's mappings of it (its smaps; not read when `smaps` is False).
+    Called once the whole scan is read, so which process was read first changes nothing.
+    A process gone since leaves 0. Returns False if some object was left unmeasured."""
+    unresolved: set[Key] = set()
+    for key, obj in holdings.objects.items():
+        if obj.allocated_bytes is None:
+            obj.allocated_bytes = pages.get(key)
+            if obj.allocated_bytes is None:
+                unresolved.add(key)
+    if not unresolved:
+        return True
+    if not smaps:
+        return False
+    try:
+        measured = _smaps_resident(holdings.pid, matcher, unresolved)
+    except (ProcessNotFoundError, ProcessAccessError):
+        return True  # gone (or its credentials changed): it is not counted as holding
+    for key, resident in measured.items():
+        holdings.objects[key].smaps_resident = resident
+    return True
 
 
 def _mapped_objects(data: bytes, matcher: Matcher) -> dict[Key, HeldObject]:
@@ -636,7 +662,11 @@ Unmapped = dict[bytes, tuple[ShmName, int]]
 
 
 def _held_fds(
-    pid: Pid, matcher: Matcher, objects: dict[Key, HeldObject], deadline: float | None
+    pid: Pid,
+    matcher: Matcher,
+    objects: dict[Key, HeldObject],
+    deadline: float | None,
+    fds_by: FdStrategy,
 ) -> tuple[Unmapped, bool]:
     fd_dir = f"/proc/{pid}/fd"
     try:
@@ -654,7 +684,7 @@ def _held_fds(
             raise ProcessAccessError(pid, fd_dir) from None
         reader = _FdReader(pid, fd_dir, dir_fd, matcher, objects)
         with_inode = sum(1 for key in objects if type(key) is tuple)
-        if with_inode and 4 * with_inode >= len(entries):
+        if fds_by == "stat" or (fds_by == "auto" and with_inode and 4 * with_inode >= len(entries)):
             return reader.by_stat(entries, deadline)
         return reader.by_link(entries, deadline)
     finally:

@@ -21,6 +21,7 @@ from hostpool.procfs import (
     ShmFd,
     ShmMapping,
     ShmName,
+    fill_residency,
     read_holdings,
     read_process,
 )
@@ -258,12 +259,15 @@ class TotalsScan:
 
 def scan_totals(matcher: Matcher, *, deadline: float | None = None) -> TotalsScan:
     """`read_holdings` of every process but this one, in pid order, until `deadline`
-    (time.monotonic()): what was read by then is returned, with `truncated` set."""
+    (time.monotonic()): what was read by then is returned, with `truncated` set. Each
+    object's pages are measured once per scan (`pages`), and objects mapped without an
+    fd get theirs once every process was read (`fill_residency`)."""
     import psutil  # lazy: only the exporter and inspect pay for it
 
     result = TotalsScan()
     me = os.getpid()
-    pages: dict[Key, int] = {}  # each object's pages, measured once per scan
+    pages: dict[Key, int] = {}
+    read: list[Holdings] = []
     for pid in psutil.pids():
         if pid == me:
             continue
@@ -277,11 +281,16 @@ def scan_totals(matcher: Matcher, *, deadline: float | None = None) -> TotalsSca
         except ProcessAccessError:
             result.unreadable += 1
             continue
+        if holdings.objects or holdings.unmapped_fds:
+            read.append(holdings)
         if not holdings.complete:
             result.truncated = True
-        if holdings.objects or holdings.unmapped_fds:
-            result.processes.append((holdings.pid, holdings_totals(holdings)))
-        if result.truncated:
             break
+    for holdings in read:
+        # past the budget, no smaps reads: what the scan measured, marked partial
+        in_time = deadline is None or time.monotonic() <= deadline
+        if not fill_residency(holdings, matcher, pages, smaps=in_time):
+            result.truncated = True
+        result.processes.append((holdings.pid, holdings_totals(holdings)))
     matcher.next_scan(complete=not result.truncated)
     return result

@@ -170,3 +170,74 @@ def test_bad_arguments_are_one_line_usage_errors(args: list[str], message: str) 
     assert result.returncode == 2, result.stderr
     # a usage error, not a traceback (the one-line format is the CLI parser's)
     assert message in result.stderr.splitlines()[-1] and "Traceback" not in result.stderr
+
+
+# N memfds named after argv[1], each mapped (its fd + mmap's dup) with one page touched
+MANY = textwrap.dedent(
+    """
+    import mmap, os, resource, sys
+    prefix, n, keep = sys.argv[1], int(sys.argv[2]), []
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    for i in range(n):
+        fd = os.memfd_create(f"{prefix}.{os.getpid()}.{i}", os.MFD_CLOEXEC)
+        os.ftruncate(fd, mmap.PAGESIZE)
+        mm = mmap.mmap(fd, mmap.PAGESIZE)
+        mm[0] = 1
+        keep.append((fd, mm))
+    print("ready", flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def test_a_scrape_past_its_budget_returns_partial_sums_flagged(
+    tag: str, start_exporter: Callable[..., str]
+) -> None:
+    """4 processes x 2,500 mapped memfds (20,000 fds) cannot be read in 1 ms on any
+    machine: that scrape answers, flagged truncated, with less than everything; the same
+    processes under the default budget give the full sums, unflagged."""
+    prefix = f"hostpool.many{tag}"
+    holders = [helpers.python_child(MANY, prefix, "2500") for _ in range(4)]
+    try:
+        full = scrape(start_exporter("--match", prefix))[1]
+        cut = scrape(start_exporter("--match", prefix, "--scrape-budget", "0.001"))[1]
+    finally:
+        for proc in holders:
+            proc.kill()
+            proc.wait()
+    pool = {"prefix": prefix, "pool": prefix.removeprefix("hostpool.")}
+    assert value(full, "hostpool_exporter_scrape_truncated") == 0
+    assert value(full, "hostpool_exporter_open_fds", **pool) == 4 * 2 * 2500
+    assert value(full, "hostpool_exporter_mappings", **pool) == 4 * 2500
+    assert value(full, "hostpool_exporter_resident_bytes", **pool) == 4 * 2500 * PAGE
+    assert value(full, "hostpool_exporter_processes", prefix=prefix) == 4
+    assert value(cut, "hostpool_exporter_scrape_truncated") == 1
+    assert cut.get(("hostpool_exporter_open_fds", frozenset(pool.items())), 0) < 4 * 2 * 2500
+    assert value(cut, "hostpool_exporter_processes", prefix=prefix) < 4
+
+
+@pytest.mark.parametrize(
+    ("budget", "message"),
+    [
+        ("0", "--scrape-budget must be 0.001..300 seconds, got 0"),
+        ("nan", "--scrape-budget must be 0.001..300 seconds, got nan"),
+        ("5s", "--scrape-budget must be a number of seconds, got '5s'"),
+    ],
+)
+def test_bad_scrape_budgets_are_one_line_usage_errors(budget: str, message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hostpool", "exporter", "--match", "x", "--scrape-budget", budget],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr.splitlines()[-1] and "Traceback" not in result.stderr
+
+
+def test_the_cli_default_budget_is_the_collectors() -> None:
+    from hostpool.cli import exporter as cli
+    from hostpool.exporter import DEFAULT_SCRAPE_BUDGET
+
+    assert cli.DEFAULT_SCRAPE_BUDGET == DEFAULT_SCRAPE_BUDGET < 10  # Prometheus' timeout

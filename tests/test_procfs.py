@@ -243,3 +243,200 @@ def test_a_process_reaped_between_opening_and_listing_its_fds_is_not_found() -> 
         os.close(dir_fd)
         assert child.stdin is not None
         child.stdin.close()
+
+
+# -- holdings: the exporter's reader ----------------------------------------------------
+
+# One of each way a process holds shm, in a real child: memfds mapped by Python's mmap
+# (its fd + mmap's dup), one split into two VMAs by madvise, one mapped twice, an fd that
+# maps nothing, a deleted /dev/shm file, and a memfd mapped through libc with its fd
+# closed (no fd at all: residency from smaps). argv[1] is the prefix.
+HOLDER = """
+import ctypes, mmap, os, sys
+prefix, keep, PAGE = sys.argv[1], [], mmap.PAGESIZE
+def memfd(pool, size, touched):
+    fd = os.memfd_create(f"{prefix}{pool}.{os.getpid()}.{len(keep)}", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    mm = mmap.mmap(fd, size)
+    for off in range(0, touched, PAGE):
+        mm[off] = 1
+    keep.append((fd, mm))
+    return fd, mm
+memfd("kv", 1 << 20, 5 * PAGE)
+memfd("kv", 256 << 10, 256 << 10)[1].madvise(mmap.MADV_DONTFORK, 0, 4 * PAGE)
+fd, _ = memfd("swa", 64 << 10, 2 * PAGE)
+keep.append(mmap.mmap(fd, 64 << 10))  # a second, separate mapping
+keep.append(os.memfd_create(f"{prefix}idle.{os.getpid()}.9"))  # held, never mapped
+path = f"/dev/shm/{prefix}file.{os.getpid()}.0.{os.urandom(4).hex()}"
+fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+os.unlink(path)
+os.ftruncate(fd, 128 << 10)
+os.pwrite(fd, b"x" * (3 * PAGE), 0)
+keep.append(mmap.mmap(fd, 128 << 10))
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+fd = os.memfd_create(f"{prefix}nofd.{os.getpid()}.0")
+os.ftruncate(fd, 64 << 10)
+address = libc.mmap(None, 64 << 10, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+ctypes.memset(address, 1, 3 * PAGE)
+os.close(fd)
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.fixture
+def holder() -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    prefix = f"hostpool.hold{secrets.token_hex(3)}"
+    proc = helpers.python_child(HOLDER, prefix + "_")
+    try:
+        yield prefix, proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _detailed(pid: int, prefix: str) -> dict[str, tuple[int, int, int]]:
+    """(open fds, logical mappings, mapped bytes) per pool from the detailed reader."""
+    objects = procgroup.group_objects(procfs.read_process(pid, (prefix,), usage=False))
+    return {
+        u.pool: (u.open_fds, u.mappings, u.mapped_bytes) for u in procgroup.pool_usage(objects)
+    }
+
+
+@pytest.mark.parametrize("fds_by", ["stat", "link", "auto"])
+def test_holdings_agree_with_the_detailed_reader(
+    holder: tuple[str, subprocess.Popen[str]], fds_by: procfs.FdStrategy
+) -> None:
+    prefix, proc = holder
+    matcher = procfs.Matcher((prefix,))
+    holdings = procfs.read_holdings(proc.pid, matcher, fds_by=fds_by)
+    assert holdings.complete
+    assert procfs.fill_residency(holdings, matcher, {})
+    totals = procgroup.holdings_totals(holdings)
+    pool = prefix.removeprefix("hostpool.") + "_"
+    got = {p: (t.open_fds, t.mappings, t.mapped_bytes) for (_, p), t in totals.items()}
+    assert got == _detailed(proc.pid, prefix)
+    # each figure from the kernel's own view, independently of both readers
+    assert got[f"{pool}kv"] == (4, 2, MiB + 256 * KiB)  # 2 memfds x (fd + mmap's dup)
+    assert got[f"{pool}swa"] == (3, 2, 128 * KiB)  # fd, 2 mmap dups, 2 mappings
+    assert got[f"{pool}idle"] == (1, 0, 0)
+    assert got[f"{pool}file"] == (2, 1, 128 * KiB)
+    assert got[f"{pool}nofd"] == (0, 1, 64 * KiB)
+    resident = {p: t.resident_bytes for (_, p), t in totals.items()}
+    assert resident == {
+        f"{pool}kv": 5 * PAGE + 256 * KiB,
+        f"{pool}swa": 2 * PAGE,  # the object's pages once, though mapped twice
+        f"{pool}idle": 0,  # not mapped: held memory is not "of the mapped bytes"
+        f"{pool}file": 3 * PAGE,  # written through its fd, never touched through the map
+        f"{pool}nofd": 3 * PAGE,  # from smaps: no fd to stat
+    }
+
+
+def test_resident_bytes_are_the_pages_the_object_holds(memfd: tuple[str, int]) -> None:
+    """Pages written through the fd back the mapping though this process never touched
+    them (Rss 0): residency is the object's st_blocks, capped at the bytes mapped."""
+    name, fd = memfd
+    os.pwrite(fd, b"x" * (7 * PAGE), 0)
+    with mmap.mmap(fd, 4 * PAGE) as mm:  # maps 4 of the object's 7 written pages
+        matcher = procfs.Matcher((name,))
+        holdings = procfs.read_holdings("self", matcher)
+        (obj,) = holdings.objects.values()
+        st = os.fstat(fd)
+        assert obj.allocated_bytes == st.st_blocks * 512 == 7 * PAGE
+        assert obj.resident_bytes == 4 * PAGE
+        (m,) = [m for m in procfs.shm_mappings("self", (name,), usage=True)]
+        assert m.usage is not None and m.usage.rss == 0  # what smaps would have said
+        mm[0] = 1  # does not change the object's page count
+
+
+def test_hugetlb_objects_are_resident_in_whole_pages(hugepages_2m: int) -> None:
+    size = 2 * MiB
+    name = f"hostpool.hugeh.{os.getpid()}.0"
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | MFD_HUGETLB | MFD_HUGE_2MB)
+    try:
+        os.ftruncate(fd, size)
+        with mmap.mmap(fd, size) as mm:
+            mm[0] = 1
+            holdings = procfs.read_holdings("self", procfs.Matcher((name,)))
+            (obj,) = holdings.objects.values()
+            (m,) = [m for m in procfs.shm_mappings("self", (name,), usage=True)]
+            assert m.usage is not None
+            assert obj.resident_bytes == m.usage.resident_bytes == size
+    finally:
+        os.close(fd)
+
+
+def test_an_object_is_measured_once_per_scan_whoever_maps_it() -> None:
+    """A child forked after mapping maps the same objects (same inode); with its own fds
+    closed it has none to stat: it takes the pages the parent's fd measured, whichever
+    process the scan reads first, not its own (empty) page tables."""
+    prefix = f"hostpool.share{secrets.token_hex(3)}"
+    code = """
+import mmap, os, sys
+fd = os.memfd_create(sys.argv[1] + ".1.0")
+os.ftruncate(fd, 1 << 20)
+mm = mmap.mmap(fd, 1 << 20)
+mm.write(b"x" * (5 * mmap.PAGESIZE))
+r, w = os.pipe()
+if os.fork() == 0:  # the mapping without any fd: every inherited one closed
+    os.closerange(3, w)
+    os.closerange(w + 1, 1 << 16)
+    os.close(w)  # the parent's read sees EOF: the child holds no fd now
+    sys.stdin.readline()
+    os._exit(0)
+os.close(w)
+assert os.read(r, 1) == b""
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+    proc = helpers.python_child(code, prefix)
+    children = psutil_children(proc.pid)
+    try:
+        assert len(children) == 1
+        result = procgroup.scan_totals(procfs.Matcher((prefix,)))
+        pool = (prefix, prefix.removeprefix("hostpool."))
+        by_pid = {pid: pools[pool] for pid, pools in result.processes}
+        assert set(by_pid) == {proc.pid, children[0]}
+        assert by_pid[proc.pid].resident_bytes == 5 * PAGE
+        assert by_pid[children[0]].open_fds == 0
+        assert by_pid[children[0]].mapped_bytes == MiB
+        assert by_pid[children[0]].resident_bytes == 5 * PAGE
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()  # both read it: EOF ends both
+        proc.wait()
+        for pid in children:
+            helpers_wait_gone(pid)
+
+
+def psutil_children(pid: int) -> list[int]:
+    import psutil
+
+    return [c.pid for c in psutil.Process(pid).children()]
+
+
+def helpers_wait_gone(pid: int) -> None:
+    import psutil
+
+    try:
+        psutil.Process(pid).wait(timeout=60)  # reaped by init once its parent is gone
+    except psutil.NoSuchProcess:
+        pass
+
+
+def test_a_deadline_cuts_the_reading_short(holder: tuple[str, subprocess.Popen[str]]) -> None:
+    prefix, proc = holder
+    matcher = procfs.Matcher((prefix,))
+    import time
+
+    holdings = procfs.read_holdings(proc.pid, matcher, deadline=time.monotonic() - 1)
+    assert not holdings.complete
+    assert holdings.objects  # maps was read before the deadline was looked at
+    result = procgroup.scan_totals(matcher, deadline=time.monotonic() - 1)
+    assert (result.truncated, result.processes) == (True, [])
+    result = procgroup.scan_totals(matcher)
+    assert not result.truncated
+    assert [pid for pid, _ in result.processes] == [proc.pid]
