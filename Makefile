@@ -69,7 +69,7 @@ lint: $(STAMP)
 # The other page states compare the targets' variants only (restated peers: warm table).
 POPULATE_STATES = hostpool_shm,hostpool_shm_2mb,hostpool_mmap,sglang_alloc_shm,sglang_alloc_mmap_2mb,sglang_alloc_mmap_parallel,torch_empty_zero,bare_hugetlb_madvise,bare_shm_populate,bare_anon_populate
 
-bench: $(STAMP)
+bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) bench/populate.py
 	$(PY) bench/populate.py --pages natural --variants $(POPULATE_STATES) --output bench/results/populate-natural.json
 	-$(PY) bench/populate.py --pages cold --variants $(POPULATE_STATES) --output bench/results/populate-cold.json
@@ -79,6 +79,7 @@ bench: $(STAMP)
 	$(PY) bench/share.py
 	$(PY) bench/leakcheck.py
 	-$(PY) bench/gpu_pin.py
+	$(VLLM_PY) bench/vllm_offload.py
 	$(PY) bench/report.py
 
 soak: $(STAMP)

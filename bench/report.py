@@ -358,6 +358,88 @@ def render_populate(data: dict[str, Any], ctx: Context) -> str:
     return "\n".join(lines)
 
 
+VLLM_OFFLOAD_LABELS = {
+    "hostpool_offload": "hostpool offload region (`HostpoolOffloadingSpec`: memfd, threaded "
+    "MADV_POPULATE_WRITE)",
+    "vllm_shared_region": "vLLM `SharedOffloadRegion`, stock worker path (one madvise per row)",
+    "vllm_shared_region_one": "vLLM `SharedOffloadRegion`, one madvise (tiering scheduler side)",
+    "vllm_shared_region_hp": "vLLM `SharedOffloadRegion`, stock path, `HOSTPOOL_INSTRUMENT=vllm`",
+    "bare_shm_populate": "bare kernel call: memfd + threaded madvise (ceiling)",
+}
+VLLM_OFFLOAD_SPREAD = ("hostpool_offload", "bare_shm_populate", "vllm_shared_region")
+
+
+@renderer("vllm_offload")
+def render_vllm_offload(data: dict[str, Any], ctx: Context) -> str:
+    """bench/vllm_offload.py: hostpool's offload region against vLLM's own class."""
+    config, results, target = data["config"], data["results"], data["target"]
+    versus = "vllm_shared_region"
+    m = data.get("machine", {})
+    lines = [
+        f"vLLM's CPU offload region, made and populated: median of {config['runs']} run(s), "
+        f"each in a fresh process{_warmup(data)}, in a balanced order (each variant in each "
+        f"place equally often), pages warm; {_machine_line(data)}, vLLM {m.get('vllm', '?')} "
+        f"(the installed package's own class). Rows of {format_size(config['row_bytes'])}; "
+        f"`x vLLM` is the speed relative to vLLM's stock path in the same run.",
+        "",
+    ]
+    others = [s["other_cpus"] for s in data.get("samples", []) if "other_cpus" in s]
+    if others and m.get("cpus"):
+        lines += [
+            f"Other processes (kernel workers included) used {statistics.median(others):.2f} "
+            f"of {m['cpus']} CPUs while a sample ran (median; most {max(others):.2f}).",
+            "",
+        ]
+    head = "| variant |" + "".join(f" {r['size']} GiB/s | {r['size']} x vLLM |" for r in results)
+    lines += [head, "| --- |" + " ---: | ---: |" * len(results)]
+    for variant in config["variants"]:
+        cells = []
+        for row in results:
+            r, base = row["variants"].get(variant, {}), row["variants"].get(versus, {})
+            ok = r.get("status") == "ok" and base.get("status") == "ok"
+            cells.append(_variant_cell(r, "gib_per_s", ".2f"))
+            cells.append(f"{base['median_s'] / r['median_s']:.2f}x" if ok else "-")
+        lines.append(f"| {VLLM_OFFLOAD_LABELS.get(variant, variant)} | " + " | ".join(cells) + " |")
+    measured = ", ".join(
+        f"{c['ratio']:.2f}x at {format_size(c['size_bytes'])}" for c in target["checks"]
+    )
+    lines += [
+        "",
+        "| target | measured | result |",
+        "| --- | --- | --- |",
+        f"| {target['text']} | {measured or '-'} | {VERDICT[target['pass']]} |",
+    ]
+    for c in target["checks"]:
+        if c["ok"] or c.get("ceiling_ratio") is None:
+            continue
+        bound = (
+            f"the ceiling itself is under {target['min_ratio']:g}x: {target['why_ceiling']}"
+            if c["ceiling_ratio"] < target["min_ratio"]
+            else f"the ceiling is above {target['min_ratio']:g}x: the gap is hostpool's, or "
+            f"the samples' spread ({_sample_ranges(data, c['size_bytes'], VLLM_OFFLOAD_SPREAD)})"
+        )
+        lines += [
+            "",
+            f"At {format_size(c['size_bytes'])} the bare kernel call with the same threads "
+            f"reached {c['ceiling_ratio']:.2f}x vLLM (hostpool {c['ratio']:.2f}x, "
+            f"{c['ratio'] / c['ceiling_ratio']:.0%} of it); {bound}.",
+        ]
+    slow = [
+        f"{c['instrumented_slowdown']:.2f}x at {format_size(c['size_bytes'])}"
+        for c in target["checks"]
+        if c.get("instrumented_slowdown") is not None
+    ]
+    if slow:
+        lines += [
+            "",
+            "Recording vLLM's region in hostpool's ledger (`HOSTPOOL_INSTRUMENT=vllm`) took "
+            f"vLLM's stock path {', '.join(slow)} its plain time (medians of the same run).",
+        ]
+    raw = ctx.link(ctx.results_dir / "vllm_offload.json")
+    lines += ["", f"Raw samples and machine facts are in `{raw}`."]
+    return "\n".join(lines)
+
+
 RENDERERS.update(TABLES)
 
 
