@@ -73,6 +73,7 @@ from hostpool.errors import ConfigError
 from hostpool.integrations.vllm import metrics_route
 from hostpool.lifecycle import get_ledger
 from hostpool.manager import HostPoolManager
+from hostpool.memory.options import RegionOptions, validate_pool_name
 from hostpool.units import parse_size
 
 # Under vLLM's logger tree, so the lines appear in the server's log as vLLM's own do.
@@ -95,7 +96,8 @@ OTHER_OPTIONS = {"hostpool_pool", "hostpool_budget", "hostpool_metrics_dir"}
 def hostpool_options(extra_config: Mapping[str, Any]) -> tuple[str, dict[str, Any], int | None]:
     """(pool, allocator options, budget bytes or None) from `kv_connector_extra_config`.
 
-    Raises ConfigError for an unknown `hostpool_*` key; the allocator validates values."""
+    Raises ConfigError for an unknown `hostpool_*` key and InvalidRequestError (hostpool's
+    usual error for them) for a bad pool name or option value."""
     unknown = sorted(
         k
         for k in extra_config
@@ -107,14 +109,13 @@ def hostpool_options(extra_config: Mapping[str, Any]) -> tuple[str, dict[str, An
     if unknown:
         known = ", ".join(sorted({*ALLOCATOR_OPTIONS, *OTHER_OPTIONS}))
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {known}")
-    pool = extra_config.get("hostpool_pool", DEFAULT_POOL)
-    if not isinstance(pool, str):
-        raise ConfigError(f"hostpool_pool must be a string, not {pool!r}")
+    pool = validate_pool_name(extra_config.get("hostpool_pool", DEFAULT_POOL))
     options = {
         option: extra_config[key]
         for key, option in ALLOCATOR_OPTIONS.items()
         if key in extra_config
     }
+    RegionOptions.parse(**options)  # bad values fail here, when vLLM builds the connector
     budget = extra_config.get("hostpool_budget")
     return pool, options, None if budget is None else parse_size(budget, what="hostpool_budget")
 
@@ -160,13 +161,14 @@ class HostpoolRegion:
             return
         self._released = True
         tensor, self.tensor = self.tensor, None
-        if tensor is not None:
-            # Release while we still hold the tensor: an explicit release, whose pages go
-            # with the last view. Dropping the tensor first would let its finalizer count
-            # the release as `finalizer` (the leak signal).
-            self.allocator.release(tensor)
-            del tensor
-        report = self.manager.close()
+        with metrics_route.quiet():
+            if tensor is not None:
+                # Release while we still hold the tensor: an explicit release, whose pages
+                # go with the last view. Dropping the tensor first would let its finalizer
+                # count the release as `finalizer` (the leak signal).
+                self.allocator.release(tensor)
+                del tensor
+            report = self.manager.close()
         metrics_route.worker_region_released()
         counts = {
             how: n
@@ -354,7 +356,7 @@ class HostpoolOffloadingSpec(CPUOffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         self.pool, self.allocator_options, self.budget = hostpool_options(config.extra_config)
         super().__init__(config)
-        self._region: HostpoolRegion | None = None
+        self.region: HostpoolRegion | None = None  # this worker's, once get_worker ran
         self._hostpool_worker: OffloadingWorker | None = None
 
     def _uses_shared_region(self) -> bool:
@@ -376,7 +378,7 @@ class HostpoolOffloadingSpec(CPUOffloadingSpec):
         region = HostpoolRegion(
             self.pool, num_chunks, row_bytes, self.allocator_options, self.budget
         )
-        self._region = region
+        self.region = region
         try:
             worker: OffloadingWorker
             if self._uses_vllm_worker():
