@@ -76,6 +76,7 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) bench/first_alloc.py
 	$(PY) bench/overhead.py
 	$(PY) bench/scrape.py
+	$(PY) bench/exporter_scale.py
 	$(PY) bench/share.py
 	$(PY) bench/leakcheck.py
 	-$(PY) bench/gpu_pin.py

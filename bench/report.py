@@ -440,6 +440,46 @@ def render_vllm_offload(data: dict[str, Any], ctx: Context) -> str:
     return "\n".join(lines)
 
 
+@renderer("exporter_scale")
+def render_exporter_scale(data: dict[str, Any], ctx: Context) -> str:
+    """`hostpool exporter` over 10 x 9,000 mapped memfds vs reading the same /proc files."""
+    targets = data["targets"]
+    lines = [
+        "| holders | fds | HTTP scrape (median) | scrape, in-process (wall / CPU) "
+        "| bare read of maps + fd links (wall / CPU) | ratio (wall / CPU, median of rounds) "
+        "| other CPUs busy |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    verdicts = []
+    for name, case in data["cases"].items():
+        m = case["median"]
+        held = (
+            f"{case['processes']} x {case['objects_per_process']:,} mapped memfds, "
+            f"{case['fds_per_object']} fd(s) each"
+        )
+        lines.append(
+            f"| {held} | {case['fds']:,} | {m['http_wall_s']:.2f} s "
+            f"| {m['scrape_wall_s']:.2f} s / {m['scrape_cpu_s']:.2f} s "
+            f"| {m['bare_wall_s']:.2f} s / {m['bare_cpu_s']:.2f} s "
+            f"| {m['ratio_wall']:.2f}x / {m['ratio_cpu']:.2f}x | {case['other_cpus']:.2f} |"
+        )
+        wall_ok = m["http_wall_s"] <= targets["http_wall_s"]
+        ratio_ok = m["ratio_cpu"] <= targets["ratio"]
+        verdicts.append(
+            f"{name.replace('_', ' ')}: HTTP scrape <= {targets['http_wall_s']:g} s "
+            f"{VERDICT[wall_ok]}, <= {targets['ratio']:g}x the bare read {VERDICT[ratio_ok]}"
+        )
+    machine = data["machine"]
+    lines += [
+        "",
+        f"Targets (issue 26): {'; '.join(verdicts)}. Run {data['date']} "
+        f"(`bench/exporter_scale.py`; {machine['cpus_usable']} CPUs, Linux {machine['kernel']}); "
+        "samples, per-round ratios and machine facts are in "
+        "`bench/results/exporter_scale.json`.",
+    ]
+    return "\n".join(lines)
+
+
 RENDERERS.update(TABLES)
 
 
