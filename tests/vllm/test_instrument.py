@@ -107,13 +107,20 @@ def test_region_is_recorded_as_proc_shows_it_and_released_by_cleanup() -> None:
         fds_before = fd_count()
         with capture_logs() as logs:
             # A barrier, as vLLM's spec passes one: the path is unlinked once it returns.
-            reg = region(barrier=lambda: None)
+            # Here the other ranks are slow (1 s): their time is not this allocation's.
+            waited = []
+            def barrier():
+                import time
+                started = time.perf_counter()
+                time.sleep(1.0)  # stands for a slower rank, not a synchronisation
+                waited.append(time.perf_counter() - started)
+            reg = region(barrier=barrier)
             st = os.fstat(reg.fd)
             live = dict(
                 records=records(), fds=fds_of(st.st_dev, st.st_ino),
                 maps=maps_of(st.st_dev, st.st_ino), scrape=scrape(), vllm_fd=reg.fd,
                 dev=st.st_dev, ino=st.st_ino, size=reg.total_size_bytes,
-                path_exists=os.path.exists(reg.mmap_path))
+                path_exists=os.path.exists(reg.mmap_path), waited=waited)
             reg.cleanup()
             reg.cleanup()  # vLLM may call it twice (its error paths): counted once
             gc.collect()
@@ -142,6 +149,10 @@ def test_region_is_recorded_as_proc_shows_it_and_released_by_cleanup() -> None:
     assert live["scrape"]["hostpool_allocated_bytes" + labels] == size
     assert live["scrape"]["hostpool_resident_bytes" + labels] == size  # populated by vLLM
     assert live["scrape"]['hostpool_open_fds{"pool": "vllm_offload"}'] == 2
+    # the allocation's duration leaves out the wait in vLLM's barrier
+    [waited] = live["waited"]
+    duration = live["scrape"]['hostpool_allocation_duration_seconds_sum{"pool": "vllm_offload"}']
+    assert 0 < duration < waited and rec["populate_seconds"] <= duration
     # cleanup(): one explicit release, nothing left in the ledger or in /proc.
     assert r["after_records"] == []
     assert r["counters"]["releases_total"] == {"vllm_offload|explicit": 1}

@@ -239,6 +239,7 @@ class _Populate:
 
     mode: str = "none"  # a creator-only joiner populates nothing
     seconds: float = 0.0
+    waited: float = 0.0  # in vLLM's barrier: other ranks' time, not this allocation's
 
 
 def _populate_chooser(
@@ -266,6 +267,8 @@ def _populate_chooser(
 def _region_init(original: Callable[..., None]) -> Callable[..., None]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         state = _Populate()
+        if callable(kwargs.get("barrier")):  # vLLM passes it by name
+            kwargs["barrier"] = _timed_barrier(kwargs["barrier"], state)
         outer = getattr(_populating, "state", None)
         _populating.state = state
         started = time.perf_counter()
@@ -273,7 +276,7 @@ def _region_init(original: Callable[..., None]) -> Callable[..., None]:
             original(self, *args, **kwargs)
         finally:
             _populating.state = outer
-        seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - started - state.waited
         try:
             _record_region(self, seconds, state)
         except Exception as exc:  # a record must never stop vLLM
@@ -282,12 +285,24 @@ def _region_init(original: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
+def _timed_barrier(barrier: Callable[[], None], state: _Populate) -> Callable[[], None]:
+    def timed() -> None:
+        started = time.perf_counter()
+        try:
+            barrier()
+        finally:
+            state.waited += time.perf_counter() - started
+
+    return timed
+
+
 def _region_cleanup(original: Callable[..., None]) -> Callable[..., None]:
     def cleanup(self: Any) -> None:
         try:
             original(self)
         finally:
-            region = _regions.pop(self, None)
+            with _lock:
+                region = _regions.pop(self, None)
             if region is not None:
                 from hostpool.lifecycle import get_ledger
 
