@@ -22,7 +22,7 @@ adds vLLM's `model_name`/`engine` labels, and it carries deltas, not gauges meas
 scrape. Why not prometheus_client's multiprocess directory? vLLM's single-API-server
 `/metrics` does not read one, and turning it on is a vLLM setting. When vLLM sets
 `PROMETHEUS_MULTIPROC_DIR` itself (several API servers), the worker publishes there
-instead with `hostpool.multiprocess.MultiprocessPublisher`, which vLLM's collector reads.
+instead (`hostpool.multiprocess.ensure_publisher()`), which vLLM's collector reads.
 
 `<dir>` is `kv_connector_extra_config["hostpool_metrics_dir"]`, else
 `$XDG_RUNTIME_DIR/hostpool-vllm` or `<tempdir>/hostpool-vllm-<uid>`; it must be a real
@@ -54,6 +54,7 @@ from prometheus_client.registry import Collector
 from hostpool.errors import ConfigError
 from hostpool.lifecycle import get_ledger
 from hostpool.metrics import METRICS, measure
+from hostpool.multiprocess import current_publisher, ensure_publisher
 
 PUBLISH_INTERVAL_S = 5.0
 # Host-wide or per-process values: a sum across workers would mean nothing.
@@ -146,21 +147,15 @@ def quiet() -> Iterator[None]:
         yield
 
 
-_mp_publisher: Any = None
-
-
 def worker_region_made(extra_config: Mapping[str, Any]) -> None:
     """Called in the worker after each offload region is made: start (or refresh) publishing."""
-    global _publisher, _mp_publisher
+    global _publisher
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        # vLLM's own multiprocess mode: its collector reads this directory.
-        with _lock:
-            if _mp_publisher is None:
-                from hostpool.multiprocess import MultiprocessPublisher
-
-                _mp_publisher = MultiprocessPublisher().start()
-            else:
-                _mp_publisher.publish()
+        # vLLM's own multiprocess mode: its collector reads that directory, where
+        # hostpool's multiprocess publisher writes (never raising into the caller).
+        publisher = ensure_publisher()
+        if publisher is not None:
+            publisher.publish_guarded()
         return
     with _lock:
         if (
@@ -178,9 +173,10 @@ def worker_region_released() -> None:
     """Called after a region is released: publish now; after the last one, stop and remove
     this worker's file (the process is going away with nothing left to show)."""
     global _publisher
+    mp = current_publisher()
+    if mp is not None:
+        mp.publish_guarded()
     with _lock:
-        if _mp_publisher is not None:
-            _mp_publisher.publish()
         pub = _publisher
         if pub is None:
             return
