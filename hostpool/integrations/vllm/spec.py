@@ -47,6 +47,7 @@ API-server process serves them on its own `/metrics`).
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -123,8 +124,9 @@ def hostpool_options(extra_config: Mapping[str, Any]) -> tuple[str, dict[str, An
 class HostpoolRegion:
     """One worker's offload memory: a hostpool region of `num_chunks` rows of `row_bytes`.
 
-    Owns its manager; `release()` drops every view it handed out and closes the manager
-    (an explicit release). Idempotent."""
+    Owns its manager. `release()` releases the region explicitly and closes the manager;
+    its pages go when the last view does (a view still held then is reported, by the
+    log line and `hostpool_released_mapped_bytes`). Idempotent."""
 
     def __init__(
         self,
@@ -310,7 +312,7 @@ class HostpoolSharedRegion(SharedOffloadRegion):
 
     def __init__(self, region: HostpoolRegion, cpu_page_size: int) -> None:
         self.hostpool_region = region
-        self.page_size = _page_size()
+        self.page_size = mmap.PAGESIZE
         self.num_chunks = region.num_chunks
         self._row_stride = region.row_bytes
         self.total_size_bytes = region.nbytes
@@ -330,12 +332,6 @@ class HostpoolSharedRegion(SharedOffloadRegion):
     def cleanup(self) -> None:
         super().cleanup()
         self.hostpool_region.release()
-
-
-def _page_size() -> int:
-    import mmap
-
-    return mmap.PAGESIZE
 
 
 class HostpoolOffloadingSpec(CPUOffloadingSpec):
@@ -372,7 +368,7 @@ class HostpoolOffloadingSpec(CPUOffloadingSpec):
         if self._hostpool_worker is not None:
             return self._hostpool_worker
         per_chunk = sum(t.page_size_bytes for t in kv_caches.tensors) * self.blocks_per_chunk
-        page = _page_size()
+        page = mmap.PAGESIZE
         row_bytes = -(-max(per_chunk, self.cpu_page_size_per_worker, 1) // page) * page
         num_chunks = max(self.num_chunks, 1)
         region = HostpoolRegion(
