@@ -127,6 +127,8 @@ def attach(
     """
     limit = _max_bytes(max_bytes)
     trusted = _server_uids(server_uids)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
     deadline = _Deadline(path, timeout)
     access = "any" if readonly is None else ("read" if readonly else "write")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)

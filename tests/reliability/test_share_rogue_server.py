@@ -93,6 +93,9 @@ def test_more_than_max_bytes_is_refused_before_mapping(tmp_path: Path) -> None:
 def test_nonsensical_limits_are_invalid_requests(tmp_path: Path, bad: object) -> None:
     with pytest.raises(InvalidRequestError):
         attach(str(tmp_path / "none.sock"), "kv", max_bytes=bad)  # type: ignore[arg-type]
+    if not isinstance(bad, float):  # 1.5 seconds is a fine timeout
+        with pytest.raises(InvalidRequestError):
+            attach(str(tmp_path / "none.sock"), "kv", timeout=bad)  # type: ignore[arg-type]
     if bad != 0:  # uid 0 is root, a uid like any other
         with pytest.raises(InvalidRequestError):
             attach(str(tmp_path / "none.sock"), "kv", server_uids=[bad])  # type: ignore[list-item]
