@@ -54,7 +54,8 @@ for name in names:
     reader = attempt(lambda: loader.get_resource_reader(name))
     out["spec_loader"][name] = {
         "fresh": fresh,
-        "wrapped": type(loader).__name__ == "_AfterLoader",
+        "watched": type(spec).__name__ == "_WatchedSpec",
+        "loader_type": type(loader).__name__,
         "origin": spec.origin,
         "submodule_search_locations": list(spec.submodule_search_locations or []),
         "is_package": attempt(lambda: loader.is_package(name)),
@@ -96,17 +97,16 @@ def _probe(python: Path | str, package: str, resource: str, names: list[str], ho
 def _compare(python: Path | str, package: str, resource: str, names: list[str]) -> None:
     plain = _probe(python, package, resource, names, hooked=False)
     hooked = _probe(python, package, resource, names, hooked=True)
-    # The hook really was there: it wrapped the loader of each module found before it was
-    # loaded (the others were imported by an earlier one), and saw each module load.
+    # The hook really was there: it found every module's spec (some were looked up before
+    # they loaded, others after an earlier one imported them), and saw each module load.
     fresh = [n for n in names if hooked["spec_loader"][n]["fresh"]]
     assert fresh[0] == names[0] and len(fresh) >= len(names) // 2, fresh
-    assert [n for n in names if hooked["spec_loader"][n]["wrapped"]] == fresh
-    assert not any(plain["spec_loader"][n]["wrapped"] for n in names)
-    # Namespace packages (sglang.srt) have no code to run: nothing to call back for.
+    assert all(hooked["spec_loader"][n]["watched"] for n in names)
+    assert not any(plain["spec_loader"][n]["watched"] for n in names)
+    assert set(names) <= set(hooked["seen"]), set(names) - set(hooked["seen"])
     with_code = {n for n in names if plain["spec_loader"][n]["origin"] is not None}
-    assert with_code <= set(hooked["seen"]), with_code - set(hooked["seen"])
     for n in names:
-        hooked["spec_loader"][n]["wrapped"] = plain["spec_loader"][n]["wrapped"]
+        hooked["spec_loader"][n]["watched"] = plain["spec_loader"][n]["watched"]
     hooked["seen"] = plain["seen"]
     assert hooked == plain
     # Nothing answered "raised" in a way that would hide a difference.
@@ -114,7 +114,67 @@ def _compare(python: Path | str, package: str, resource: str, names: list[str]) 
         answers = plain["spec_loader"][n]
         assert not str(answers["get_code"]).startswith("raised"), answers
         assert not str(answers["get_source"]).startswith("raised"), answers
-        assert plain["module"][n]["loader"] != "_AfterLoader"
+
+
+TRACEBACK_PROBE = r"""
+import importlib, json, os, sys, traceback
+
+seen = []
+if os.environ.get("PROBE_HOOK") == "1":
+    from hostpool.integrations.importhook import PostImportHook, in_package
+
+    def after(module):
+        seen.append([module.__name__, vars(module).get("DONE")])
+
+    PostImportHook(in_package("hookprobe"), after).add()
+out = {}
+for name in ("hookprobe.good", "hookprobe.bad_import", "hookprobe.bad_runtime", "hookprobe.good"):
+    try:
+        importlib.import_module(name)
+        out[name] = "ok"
+    except Exception:
+        out[name] = traceback.format_exc()
+out["modules"] = sorted(m for m in sys.modules if m.startswith("hookprobe"))
+out["seen"] = seen
+print(json.dumps(out))
+"""
+
+
+def test_a_module_that_fails_to_import_fails_the_same_and_is_not_called_back(
+    tmp_path: Path,
+) -> None:
+    """No frame of hostpool's around a module's code: an import that fails (ImportError,
+    which Python trims importlib's own frames from, or any other error) shows the very
+    same traceback with the hook; the callback runs once per module that executed to
+    its end (seeing the whole module), and never for one that raised."""
+    package = tmp_path / "hookprobe"
+    package.mkdir()
+    (package / "__init__.py").write_text("DONE = True\n")
+    (package / "good.py").write_text("from hookprobe import sub\nDONE = sub.DONE\n")
+    (package / "sub.py").write_text("DONE = 'all of it ran'\n")
+    (package / "bad_import.py").write_text("import hookprobe.sub\nimport hookprobe_no_such\n")
+    (package / "bad_runtime.py").write_text("X = 1\nraise RuntimeError('boom')\n")
+    runs = {}
+    for hooked in (False, True):
+        env = {k: v for k, v in os.environ.items() if k != "HOSTPOOL_INSTRUMENT"}
+        env.update(PROBE_HOOK="1" if hooked else "0", PYTHONPATH=f"{tmp_path}:{ROOT}")
+        out = subprocess.run(
+            [sys.executable, "-c", TRACEBACK_PROBE], capture_output=True, text=True,
+            timeout=120, env=env, cwd="/",
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        runs[hooked] = json.loads(out.stdout.splitlines()[-1])
+    plain, hooked = runs[False], runs[True]
+    assert "No module named 'hookprobe_no_such'" in plain["hookprobe.bad_import"]
+    assert "RuntimeError: boom" in plain["hookprobe.bad_runtime"]
+    assert plain["seen"] == []
+    assert hooked["seen"] == [
+        ["hookprobe", True],
+        ["hookprobe.sub", "all of it ran"],
+        ["hookprobe.good", "all of it ran"],
+    ]  # bad_import's `import hookprobe.sub` found it loaded: once each
+    hooked["seen"] = []
+    assert hooked == plain
 
 
 SGLANG_MODULES = [
@@ -176,7 +236,7 @@ def test_instrumented_sglang_launch_server_help_is_identical(
     how: tuple[str, dict[str, str], list[str]],
 ) -> None:
     """Issue 25: `python -m sglang.launch_server --help` died with AttributeError
-    ('_AfterLoader' object has no attribute 'get_code') once instrumented."""
+    (the hook's loader wrapper had no `get_code`) once instrumented."""
     _, env, argv = how
     plain = _run(LAUNCH_HELP, {}, sys.executable)
     instrumented = _run(argv, env, sys.executable)
@@ -186,8 +246,8 @@ def test_instrumented_sglang_launch_server_help_is_identical(
 
 
 def test_instrumented_python_m_of_a_package_is_identical() -> None:
-    """`python -m sglang.cli` runs a package's entry module through the hook's loader too
-    (runpy asks the package's loader `is_package`, then the submodule's `get_code`)."""
+    """`python -m sglang.cli.main`: runpy imports the parent packages through the hook,
+    then asks the entry module's loader for its code."""
     argv = ["-m", "sglang.cli.main", "--help"]
     plain = _run(argv, {}, sys.executable)
     instrumented = _run(argv, {"HOSTPOOL_INSTRUMENT": "sglang"}, sys.executable)

@@ -1,7 +1,16 @@
 """Run a callback on every module of a package right after the module's own code ran,
 before any other module can import names from it: how an integration reaches a server's
 modules that are imported after `install()` (sglang's scheduler workers import most of
-them late). The module keeps its real loader.
+them late).
+
+Invisible by construction: the hook puts nothing between Python and the module's real
+loader. The module keeps its real loader before, during and after execution (so
+`python -m`, `get_code`, `get_source`, `get_resource_reader`, `is_package`, pkgutil,
+inspect and reloads see what they see without the hook), and no frame of hostpool's runs
+around the module's code, so a module that fails to import fails with the very same
+traceback. The one difference is the class of `module.__spec__`: a `ModuleSpec` subclass
+whose `_initializing` flag, which the import system clears once the module has executed
+(`importlib._bootstrap._load_unlocked`), calls the callback when cleared after success.
 """
 
 from __future__ import annotations
@@ -22,8 +31,8 @@ def in_package(package: str) -> Callable[[str], bool]:
 
 class PostImportHook(importlib.abc.MetaPathFinder):
     """Finds matching modules through the other finders on `sys.meta_path` and calls
-    `after(module)` once each has executed. `add()` / `remove()` put it first in
-    `sys.meta_path` and take it out again."""
+    `after(module)` once each has executed (not when its code raised). `add()` /
+    `remove()` put it first in `sys.meta_path` and take it out again."""
 
     def __init__(
         self, matches: Callable[[str], bool], after: Callable[[types.ModuleType], None]
@@ -52,35 +61,33 @@ class PostImportHook(importlib.abc.MetaPathFinder):
                 break
         else:
             return None
-        loader = spec.loader
-        if loader is not None and hasattr(loader, "exec_module"):
-            spec.loader = _AfterLoader(loader, self._after)
+        if type(spec) is importlib.machinery.ModuleSpec:  # a finder's own class: leave it
+            spec.__class__ = _WatchedSpec
+            spec.__dict__[_AFTER] = self._after
         return spec
 
 
-class _AfterLoader(importlib.abc.Loader):
-    """The module's real loader with one addition: `after(module)` once `exec_module`
-    has run. Everything else Python asks of a loader (`get_code` for `python -m`,
-    `get_source`, `get_resource_reader`, `is_package`, `get_filename`, `get_data`, ...)
-    is answered by the real loader, and the module and its spec hold the real loader
-    once it has executed."""
+_AFTER = "_hostpool_after"
+_FLAG = "_hostpool_initializing"
 
-    def __init__(self, inner: Any, after: Callable[[types.ModuleType], None]) -> None:
-        self._inner = inner
-        self._after = after
 
-    def __getattr__(self, name: str) -> Any:
-        # Only called for names this class does not define: the real loader answers.
-        return getattr(self._inner, name)
+class _WatchedSpec(importlib.machinery.ModuleSpec):
+    """A ModuleSpec (same attributes, same loader) that calls its `after` when the import
+    system marks the module initialised after its code ran without raising (on failure
+    the import system has already taken the module out of `sys.modules`)."""
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        module: types.ModuleType | None = self._inner.create_module(spec)
-        return module
+    @property
+    def _initializing(self) -> bool:
+        return bool(self.__dict__.get(_FLAG, False))
 
-    def exec_module(self, module: types.ModuleType) -> None:
-        # The module keeps its real loader (resources, source lookups, reloads).
-        module.__loader__ = self._inner
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._inner
-        self._inner.exec_module(module)
-        self._after(module)
+    @_initializing.setter
+    def _initializing(self, value: bool) -> None:
+        state = self.__dict__
+        was = state.get(_FLAG, False)
+        state[_FLAG] = value
+        if not (was and not value):
+            return
+        module: Any = sys.modules.get(self.name)
+        after = state.get(_AFTER)
+        if after is not None and isinstance(module, types.ModuleType) and module.__spec__ is self:
+            after(module)
