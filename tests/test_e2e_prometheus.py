@@ -9,7 +9,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests import dashboard_lint
+from tests import dashboard_lint, waiting
 from tests.test_serve import start_serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,20 +68,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+
+        def ready() -> bool:
+            """Enough samples for rate() over 4 scrape intervals, and the demo's provoked
+            fallback and refusal (5 s after start) scraped."""
             try:
-                result = _api(base, "query", query="hostpool_build_info")["result"]
-                if result:
-                    break
+                samples = _api(base, "query", query="count_over_time(hostpool_build_info[1m])")
+                provoked = [
+                    _api(base, "query", query=q)["result"]
+                    for q in (
+                        'hostpool_allocation_failures_total{pool="demo_refused"}',
+                        "hostpool_hugepage_fallbacks_total",
+                    )
+                ]
             except (OSError, AssertionError):
-                pass
-            time.sleep(0.5)
-        else:
-            raise AssertionError("prometheus never scraped hostpool serve")
-        # Enough samples for rate() over 4 scrape intervals, and for the demo's provoked
-        # fallback and refusal (5 s after start) to show up as increases.
-        time.sleep(12)
+                return False  # not listening yet
+            enough = bool(samples["result"]) and float(samples["result"][0]["value"][1]) >= 5
+            return enough and all(provoked)
+
+        waiting.wait_for(ready, "prometheus scraping the demo", alive=prom, interval=0.5)
         yield base, served.url
     finally:
         prom.send_signal(signal.SIGTERM)
@@ -118,18 +122,20 @@ def test_every_demo_alert_fires(stack: tuple[str, str]) -> None:
     rise always follows a sample, whatever the scrape interval)."""
     base, _ = stack
     query = 'hostpool_allocation_failures_total{pool="demo_refused"}'
-    deadline = time.monotonic() + 60
-    firing: set[str] = set()
-    refused = 0.0
-    while time.monotonic() < deadline and not (firing >= DEMO_ALERTS and refused >= 2):
+    seen: dict[str, Any] = {}
+
+    def all_fired() -> bool:
         alerts = _api(base, "alerts")["alerts"]
-        firing = {a["labels"]["alertname"] for a in alerts if a["state"] == "firing"}
+        seen["firing"] = {a["labels"]["alertname"] for a in alerts if a["state"] == "firing"}
         result = _api(base, "query", query=query)["result"]
-        refused = float(result[0]["value"][1]) if result else 0.0
-        time.sleep(1)
-    assert firing >= DEMO_ALERTS, firing
-    # Provoked more than once: each round is a rise of its own, seen on any interval.
-    assert refused >= 2
+        seen["refused"] = float(result[0]["value"][1]) if result else 0.0
+        # Provoked more than once: each round is a rise of its own, seen on any interval.
+        return seen["firing"] >= DEMO_ALERTS and seen["refused"] >= 2
+
+    try:
+        waiting.wait_for(all_fired, "every demo alert firing", interval=1.0)
+    except AssertionError:
+        raise AssertionError(f"fired {seen.get('firing')}, refused {seen.get('refused')}") from None
 
 
 def test_every_rule_is_healthy(stack: tuple[str, str]) -> None:

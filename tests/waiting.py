@@ -20,11 +20,17 @@ _POLL = 0.005  # between two looks at state that has no event to block on
 
 
 def wait_for(
-    check: Callable[[], T | None], what: str, *, timeout: float = DEADLINE, alive: object = None
+    check: Callable[[], T | None],
+    what: str,
+    *,
+    timeout: float = DEADLINE,
+    alive: object = None,
+    interval: float = _POLL,
 ) -> T:
     """`check()` until it returns something other than None/False; that value.
 
-    `alive`, a subprocess.Popen, fails the wait at once if it exits meanwhile."""
+    `alive`, a subprocess.Popen, fails the wait at once if it exits meanwhile; `interval`
+    is the pause between two looks (a costly check looks less often)."""
     deadline = time.monotonic() + timeout
     while True:
         value = check()
@@ -35,7 +41,7 @@ def wait_for(
             raise AssertionError(f"exited {poll()} while waiting for {what}")
         if time.monotonic() > deadline:
             raise AssertionError(f"no {what} within {timeout:.0f} s")
-        time.sleep(_POLL)
+        time.sleep(interval)
 
 
 def log_text(path: str) -> str:

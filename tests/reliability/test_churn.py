@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import random
+import select
 import threading
 import time
 from typing import Any
@@ -19,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from hostpool import HostPoolManager
 from hostpool.lifecycle import get_ledger
 from hostpool.metrics import HostPoolCollector, register_metrics
-from tests import helpers
+from tests import helpers, waiting
 from tests.reliability.conftest import SOAK, record_churn
 
 CYCLES = 100_000 if SOAK else 10_000
@@ -135,14 +136,17 @@ def test_churn_counts_balance_and_nothing_is_left(monkeypatch: pytest.MonkeyPatc
                             code = 0
                         finally:
                             os._exit(code)
-                    deadline = time.monotonic() + 30
-                    while (reaped := os.waitpid(pid, os.WNOHANG))[0] == 0:
-                        if time.monotonic() > deadline:
+                    # its exit is an event (the pidfd turns readable); the deadline only
+                    # tells a hung child from a slow one on a busy machine
+                    pidfd = os.pidfd_open(pid)
+                    try:
+                        if not select.select([pidfd], [], [], waiting.DEADLINE)[0]:
                             os.kill(pid, 9)
                             os.waitpid(pid, 0)
                             raise AssertionError(f"forked child {pid} hung")
-                        time.sleep(0.01)
-                    code = os.waitstatus_to_exitcode(reaped[1])
+                    finally:
+                        os.close(pidfd)
+                    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
                     assert code == 0, f"forked child failed: exit {code}"
                     forks += 1
             except BaseException as exc:
