@@ -11,12 +11,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests import waiting
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -141,16 +142,15 @@ def test_readme_prometheus_command_runs(tmp_path: Path) -> None:
     with open(tmp_path / "prometheus.log", "w") as log:
         proc = subprocess.Popen(args, cwd=tmp_path, stdout=log, stderr=log)
     try:
-        deadline = time.monotonic() + 60
-        while True:
+
+        def ready() -> bool:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=30) as r:
+                    return bool(r.status == 200)
             except OSError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.3)
+                return False  # not listening yet
+
+        waiting.wait_for(ready, "prometheus ready", alive=proc, interval=0.1)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/rules", timeout=5) as r:
             assert len(json.loads(r.read())["data"]["groups"]) >= 2  # both rule files
     finally:

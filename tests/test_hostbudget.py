@@ -110,7 +110,7 @@ def test_four_ranks_share_256mib_then_a_killed_holder_frees_its_share(
 
 FORKER = textwrap.dedent(
     """
-    import os, sys, time
+    import os, sys
     from hostpool.integrations.hostbudget import HostBudget
     budget = HostBudget({limit}, {directory!r})
     budget.admit({need}, 0)
@@ -119,18 +119,20 @@ FORKER = textwrap.dedent(
     if child == 0:
         # the fork hook has run by now: tell the parent (never stdout: one writer there)
         os.write(ready_w, b"1")
-        time.sleep(60)
+        sys.stdin.read()  # held until the test closes our stdin (or kills us)
         os._exit(0)
     os.read(ready_r, 1)
     print(child, flush=True)  # only once the child is ready: the test may kill us then
-    time.sleep(60)
+    sys.stdin.read()
     """
 )
 
 
 def test_a_forked_child_does_not_keep_a_killed_parents_reservation(tmp_path: Path) -> None:
     code = FORKER.format(limit=LIMIT, directory=str(tmp_path), need=100 * MiB)
-    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     child = 0
     try:
         assert parent.stdout is not None
@@ -148,6 +150,8 @@ def test_a_forked_child_does_not_keep_a_killed_parents_reservation(tmp_path: Pat
         parent.wait()
         if child:
             os.kill(child, signal.SIGKILL)
+        assert parent.stdin is not None
+        parent.stdin.close()
 
 
 def test_stale_reservations_are_ignored_and_removed(tmp_path: Path) -> None:
