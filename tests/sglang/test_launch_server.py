@@ -12,8 +12,10 @@ stops in its launcher process, before any scheduler process exists:
   module named 'torchvision'`;
 - with the test's torchvision stand-ins (`launch_with_standin.py`): the arguments
   resolve (CPU platform, torch_native attention) and the launcher imports sglang's HTTP
-  server, which needs uvicorn, fastapi and more of sglang's serving dependencies that
-  the pinned closure leaves out (a scheduler beyond them needs sglang's kernels).
+  server, which needs uvicorn and more of sglang's serving dependencies that the pinned
+  closure leaves out. (With those added by hand, not here: the scheduler process starts
+  and dies building the model, sglang's CPU rotary embedding importing
+  `vllm._custom_ops`, before any KV or host pool exists; see the README.)
 
 The test: the same exit code and the very same traceback with and without hostpool, and
 no line of hostpool's anywhere in what the server printed. It asserts the stop point
