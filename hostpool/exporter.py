@@ -8,7 +8,7 @@ any process using hostpool-named memfds): `hostpool exporter --match PREFIX` or
 | --- | --- | --- |
 | `hostpool_exporter_open_fds` | prefix, pool | fds referring to matching shm objects |
 | `hostpool_exporter_mapped_bytes` | prefix, pool | bytes of their mappings |
-| `hostpool_exporter_resident_bytes` | prefix, pool | of those, bytes in memory (Rss + hugetlb) |
+| `hostpool_exporter_resident_bytes` | prefix, pool | of those, bytes in memory (see below) |
 | `hostpool_exporter_mappings` | prefix, pool | mappings (VMAs split by madvise count once) |
 | `hostpool_exporter_pools_folded` | prefix | pools summed into `pool="_other"` (over the cap) |
 | `hostpool_exporter_processes` | prefix | `--match` only: processes holding a match |
@@ -245,7 +245,8 @@ class ProcfsCollector(Collector):
         )
         yield GaugeMetricFamily(
             "hostpool_exporter_resident_bytes",
-            "Of the mapped bytes, those backed by memory now (Rss plus hugetlb pages).",
+            "Of the mapped bytes, those in memory: the pages each mapped object holds "
+            "(st_blocks, at most the bytes mapped); smaps Rss where no fd tells them.",
             labels=LABELS,
         )
         yield GaugeMetricFamily(
