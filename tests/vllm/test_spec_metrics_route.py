@@ -149,6 +149,17 @@ def test_no_workers_no_series(directory: Path) -> None:
     assert scrape(directory) == {}
 
 
+def test_files_of_dead_workers_are_pruned_live_strangers_kept(directory: Path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=60)  # reaped: its pid no longer exists
+    body = json.dumps({"pid": gone.pid, "samples": {}})
+    (directory / f"{gone.pid}.json").write_text(body)
+    (directory / "1.json").write_text(json.dumps({"pid": 1, "samples": {}}))
+    (directory / "notes.txt").write_text("not ours")
+    assert scrape(directory) == {}
+    assert sorted(p.name for p in directory.iterdir()) == ["1.json", "notes.txt"]
+
+
 def test_metrics_dir_must_be_private(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o755)

@@ -7,7 +7,9 @@ the offload memory lives in the `VLLM::Worker` process, two processes below it. 
 - Worker: after the region is made, a daemon thread writes the worker's ledger, measured
   exactly as `HostPoolCollector` does (`hostpool.metrics.measure`), to
   `<dir>/<pid>.json` every `PUBLISH_INTERVAL_S` seconds and at once on each region change
-  (atomic replace). The file is removed when the worker's last region is released.
+  (atomic replace). The file is removed when the worker's last region is released; files
+  of processes that no longer exist (a SIGKILLed worker) are removed by the next worker
+  start or scrape.
 - API server: vLLM calls the spec's `build_metric_definitions` while it builds its
   Prometheus stat logger, in this process only; that call registers `VllmWorkersCollector`
   in vLLM's registry (`vllm.v1.metrics.prometheus.get_prometheus_registry()`). At scrape
@@ -98,6 +100,27 @@ def encode(samples: Mapping[str, Mapping[tuple[str, ...], Any]]) -> dict[str, An
     }
 
 
+def prune_dead(directory: Path) -> list[int]:
+    """Remove the files of workers that no longer exist (a SIGKILLed worker, e.g. under
+    vLLM's default `--shutdown-timeout 0`, never removes its own). A file whose pid is
+    alive is left alone, whoever that process is. Returns the pids removed."""
+    removed: list[int] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        stem, dot, ext = name.partition(".")
+        if not stem.isdigit() or ext != "json" or not dot:
+            continue
+        if psutil.pid_exists(int(stem)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(directory / name)
+            removed.append(int(stem))
+    return removed
+
+
 # -- worker side -------------------------------------------------------------------------
 class _WorkerPublisher:
     def __init__(self, directory: Path) -> None:
@@ -163,7 +186,9 @@ def worker_region_made(extra_config: Mapping[str, Any]) -> None:
             or _publisher.path.parent != metrics_dir(extra_config)
             or _publisher.pid_changed()
         ):
-            _publisher = _WorkerPublisher(metrics_dir(extra_config))
+            directory = metrics_dir(extra_config)
+            prune_dead(directory)
+            _publisher = _WorkerPublisher(directory)
             _publisher.thread.start()
         _publisher.regions += 1
         _publisher.publish()
@@ -219,6 +244,7 @@ class VllmWorkersCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         started = time.perf_counter()
+        prune_dead(self.directory)
         workers = self._worker_samples()
         if not workers:
             return
