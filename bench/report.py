@@ -367,6 +367,7 @@ VLLM_OFFLOAD_LABELS = {
     "bare_shm_populate": "bare kernel call: memfd + threaded madvise (ceiling)",
 }
 VLLM_OFFLOAD_SPREAD = ("hostpool_offload", "bare_shm_populate", "vllm_shared_region")
+VLLM_OFFLOAD_RECORDED = ("vllm_shared_region", "vllm_shared_region_hp")
 
 
 @renderer("vllm_offload")
@@ -412,8 +413,14 @@ def render_vllm_offload(data: dict[str, Any], ctx: Context) -> str:
     for c in target["checks"]:
         if c["ok"] or c.get("ceiling_ratio") is None:
             continue
+        free = (
+            f" (other processes left {m['cpus'] - statistics.median(others):.2f} of "
+            f"{m['cpus']} CPUs free while it ran, median)"
+            if others and m.get("cpus")
+            else ""
+        )
         bound = (
-            f"the ceiling itself is under {target['min_ratio']:g}x: {target['why_ceiling']}"
+            f"the ceiling itself is under {target['min_ratio']:g}x: {target['why_ceiling']}{free}"
             if c["ceiling_ratio"] < target["min_ratio"]
             else f"the ceiling is above {target['min_ratio']:g}x: the gap is hostpool's, or "
             f"the samples' spread ({_sample_ranges(data, c['size_bytes'], VLLM_OFFLOAD_SPREAD)})"
@@ -433,7 +440,12 @@ def render_vllm_offload(data: dict[str, Any], ctx: Context) -> str:
         lines += [
             "",
             "Recording vLLM's region in hostpool's ledger (`HOSTPOOL_INSTRUMENT=vllm`) took "
-            f"vLLM's stock path {', '.join(slow)} its plain time (medians of the same run).",
+            f"vLLM's stock path {', '.join(slow)} its plain time (medians of the same run; "
+            "the spread of the samples: "
+            + "; ".join(
+                _sample_ranges(data, r["size_bytes"], VLLM_OFFLOAD_RECORDED) for r in results
+            )
+            + ").",
         ]
     raw = ctx.link(ctx.results_dir / "vllm_offload.json")
     lines += ["", f"Raw samples and machine facts are in `{raw}`."]
