@@ -177,6 +177,37 @@ def test_a_module_that_fails_to_import_fails_the_same_and_is_not_called_back(
     assert hooked == plain
 
 
+def test_two_hooks_over_one_package_both_run_once_per_module(tmp_path: Path) -> None:
+    from hostpool.integrations.importhook import PostImportHook, in_package
+
+    package = tmp_path / "hookpair"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "mod.py").write_text("VALUE = 7\n")
+    calls: list[tuple[str, str]] = []
+    hooks = [
+        PostImportHook(in_package("hookpair"), lambda m, k=k: calls.append((k, m.__name__)))
+        for k in ("first", "second")
+    ]
+    sys.path.insert(0, str(tmp_path))
+    try:
+        for hook in hooks:
+            hook.add()
+        import hookpair.mod  # type: ignore[import-not-found]
+
+        assert hookpair.mod.VALUE == 7
+    finally:
+        for hook in hooks:
+            hook.remove()
+        sys.path.remove(str(tmp_path))
+        for name in ("hookpair.mod", "hookpair"):
+            sys.modules.pop(name, None)
+    assert sorted(calls) == [
+        ("first", "hookpair"), ("first", "hookpair.mod"),
+        ("second", "hookpair"), ("second", "hookpair.mod"),
+    ]  # fmt: skip
+
+
 SGLANG_MODULES = [
     "sglang",
     "sglang.srt",

@@ -32,7 +32,8 @@ def in_package(package: str) -> Callable[[str], bool]:
 class PostImportHook(importlib.abc.MetaPathFinder):
     """Finds matching modules through the other finders on `sys.meta_path` and calls
     `after(module)` once each has executed (not when its code raised). `add()` /
-    `remove()` put it first in `sys.meta_path` and take it out again."""
+    `remove()` put it first in `sys.meta_path` and take it out again. Several hooks may
+    match one module: each callback runs once, in `sys.meta_path` order."""
 
     def __init__(
         self, matches: Callable[[str], bool], after: Callable[[types.ModuleType], None]
@@ -53,8 +54,15 @@ class PostImportHook(importlib.abc.MetaPathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         if not self._matches(fullname):
             return None
+        # The first matching hook on sys.meta_path asks the real finders and watches the
+        # spec for every hook that matches (the others are not asked: no recursion).
+        hooks = [f for f in sys.meta_path if isinstance(f, PostImportHook) and f._matches(fullname)]
+        if self not in hooks:
+            hooks = [self]
+        if hooks[0] is not self:
+            return None
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+            if isinstance(finder, PostImportHook) or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
@@ -63,7 +71,7 @@ class PostImportHook(importlib.abc.MetaPathFinder):
             return None
         if type(spec) is importlib.machinery.ModuleSpec:  # a finder's own class: leave it
             spec.__class__ = _WatchedSpec
-            spec.__dict__[_AFTER] = self._after
+            spec.__dict__[_AFTER] = tuple(h._after for h in hooks)
         return spec
 
 
@@ -88,6 +96,6 @@ class _WatchedSpec(importlib.machinery.ModuleSpec):
         if not (was and not value):
             return
         module: Any = sys.modules.get(self.name)
-        after = state.get(_AFTER)
-        if after is not None and isinstance(module, types.ModuleType) and module.__spec__ is self:
-            after(module)
+        if isinstance(module, types.ModuleType) and module.__spec__ is self:
+            for after in state.get(_AFTER, ()):
+                after(module)
