@@ -488,6 +488,12 @@ def render_exporter_scale(data: dict[str, Any], ctx: Context) -> str:
         f"(`bench/exporter_scale.py`; {machine['cpus_usable']} CPUs, Linux {machine['kernel']}); "
         "samples, per-round ratios and machine facts are in "
         "`bench/results/exporter_scale.json`.",
+        "",
+        "What a scrape does beyond the bare read: one `statx` per fd instead of a link read "
+        "where mapped objects fill the fd table (it names the object by inode and gives its "
+        "pages; a link read gives neither), the maps lines parsed and summed per object and "
+        "pool, and every other process on the host looked at. Residency from smaps instead "
+        "would cost a page-table walk per scrape (~70 ms per populated 4 GiB per process).",
     ]
     return "\n".join(lines)
 
