@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -15,7 +16,7 @@ import pytest
 
 from hostpool import procfs, procgroup
 from hostpool.procfs import ShmName, classify_path, parse_name
-from tests import helpers
+from tests import helpers, waiting
 
 PAGE = mmap.PAGESIZE
 KiB, MiB = 1 << 10, 1 << 20
@@ -301,9 +302,7 @@ def holder() -> Iterator[tuple[str, subprocess.Popen[str]]]:
 def _detailed(pid: int, prefix: str) -> dict[str, tuple[int, int, int]]:
     """(open fds, logical mappings, mapped bytes) per pool from the detailed reader."""
     objects = procgroup.group_objects(procfs.read_process(pid, (prefix,), usage=False))
-    return {
-        u.pool: (u.open_fds, u.mappings, u.mapped_bytes) for u in procgroup.pool_usage(objects)
-    }
+    return {u.pool: (u.open_fds, u.mappings, u.mapped_bytes) for u in procgroup.pool_usage(objects)}
 
 
 @pytest.mark.parametrize("fds_by", ["stat", "link", "auto"])
@@ -393,7 +392,7 @@ print("ready", flush=True)
 sys.stdin.readline()
 """
     proc = helpers.python_child(code, prefix)
-    children = psutil_children(proc.pid)
+    children = _children(proc.pid)
     try:
         assert len(children) == 1
         result = procgroup.scan_totals(procfs.Matcher((prefix,)))
@@ -409,22 +408,20 @@ sys.stdin.readline()
         proc.stdin.close()  # both read it: EOF ends both
         proc.wait()
         for pid in children:
-            helpers_wait_gone(pid)
+            _wait_gone(pid)
 
 
-def psutil_children(pid: int) -> list[int]:
+def _children(pid: int) -> list[int]:
     import psutil
 
     return [c.pid for c in psutil.Process(pid).children()]
 
 
-def helpers_wait_gone(pid: int) -> None:
+def _wait_gone(pid: int) -> None:
     import psutil
 
-    try:
-        psutil.Process(pid).wait(timeout=60)  # reaped by init once its parent is gone
-    except psutil.NoSuchProcess:
-        pass
+    with contextlib.suppress(psutil.NoSuchProcess):  # reaped by init once its parent is gone
+        psutil.Process(pid).wait(timeout=waiting.DEADLINE)
 
 
 def test_a_deadline_cuts_the_reading_short(holder: tuple[str, subprocess.Popen[str]]) -> None:
