@@ -185,6 +185,8 @@ def _shm_fds_in(dir_fd: int, pid: Pid, fd_dir: str, prefixes: Sequence[str]) -> 
             continue  # closed since the listing (or our own dir_fd's listing entry)
         except PermissionError:
             raise ProcessAccessError(pid, fd_dir) from None
+        except OSError:
+            continue  # a link /proc cannot spell (ENAMETOOLONG): not a name we look for
         for prefix in prefixes:  # cheap substring filter before any parsing or stat
             if prefix in target:
                 break
@@ -710,9 +712,9 @@ class _FdReader:
                 mode, dev, ino, blocks = stat_fd(dir_fd, entry)
             except _GONE:
                 continue  # closed since the listing
-            except PermissionError:
-                # the filesystem refused (a FUSE mount of another user): its link still
-                # names it, and a link we may not read means the process is closed to us
+            except OSError:
+                # its filesystem refused (another user's FUSE mount, a stale NFS handle):
+                # its link still names it; a link we may not read closes the process to us
                 self._unmapped(entry)
                 continue
             obj = objects.get((dev, ino))
@@ -747,8 +749,11 @@ class _FdReader:
             if any(held.allocated_bytes is None for held in candidates):
                 try:
                     _mode, dev, ino, blocks = stat_fd(dir_fd, entry)
-                except OSError:
-                    continue  # closed since (or refused): counted by nothing else either
+                except _GONE:
+                    continue  # closed since the listing
+                except OSError:  # its filesystem refused: the name still decides the pool
+                    candidates[0].fds += 1
+                    continue
                 found = objects.get((dev, ino))
                 if found is None:
                     self._count(target, candidates[0].name)  # an unmapped namesake
@@ -766,6 +771,10 @@ class _FdReader:
             return None  # closed since the listing
         except PermissionError:
             raise ProcessAccessError(self.pid, self.fd_dir) from None
+        except OSError:
+            # a link the kernel cannot spell (ENAMETOOLONG: a file under a path longer
+            # than a page, which any user can make): not a name we look for
+            return None
 
     def _unmapped(self, entry: bytes) -> None:
         target = self._link(entry)

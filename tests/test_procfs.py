@@ -437,3 +437,51 @@ def test_a_deadline_cuts_the_reading_short(holder: tuple[str, subprocess.Popen[s
     result = procgroup.scan_totals(matcher)
     assert not result.truncated
     assert [pid for pid, _ in result.processes] == [proc.pid]
+
+
+LONG_PATH_HOLDER = """
+import mmap, os, sys
+prefix, top = sys.argv[1], sys.argv[2]
+os.chdir(top)
+for _ in range(24):  # relative steps: the whole path is 4,800+ bytes, past a page
+    os.mkdir("d" * 200)
+    os.chdir("d" * 200)
+far = os.open(prefix + ".far.1.0", os.O_CREAT | os.O_RDWR, 0o600)  # named like a match
+fd = os.memfd_create(prefix + ".1.0")
+os.ftruncate(fd, 1 << 16)
+mm = mmap.mmap(fd, 1 << 16)
+mm[0] = 1
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("fds_by", ["stat", "link"])
+def test_an_fd_whose_path_the_kernel_cannot_spell_is_skipped(
+    tmp_path: Path, fds_by: procfs.FdStrategy
+) -> None:
+    """Any user can hold a file under a path longer than a page: /proc cannot give its
+    link (ENAMETOOLONG). The reader skips that fd and reads the rest, never failing."""
+    prefix = f"hostpool.long{secrets.token_hex(3)}"
+    proc = helpers.python_child(LONG_PATH_HOLDER, prefix, str(tmp_path))
+    try:
+        fds = os.listdir(f"/proc/{proc.pid}/fd")
+        unreadable = 0
+        for fd in fds:
+            try:
+                os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+            except OSError as exc:
+                unreadable += exc.errno == 36  # ENAMETOOLONG: the case is real
+        assert unreadable == 1
+        matcher = procfs.Matcher((prefix,))
+        holdings = procfs.read_holdings(proc.pid, matcher, fds_by=fds_by)
+        assert procfs.fill_residency(holdings, matcher, {})
+        pool = (prefix, prefix.removeprefix("hostpool."))
+        totals = procgroup.holdings_totals(holdings)
+        assert (totals[pool].open_fds, totals[pool].mappings) == (2, 1)  # fd + mmap's dup
+        assert totals[pool].resident_bytes == PAGE
+        # the detailed reader (inspect, the leak check) skips it too
+        assert len(procfs.shm_fds(proc.pid, (prefix,))) == 2
+    finally:
+        proc.kill()
+        proc.wait()
