@@ -13,6 +13,18 @@ Two finalizers, neither holding the Region:
 `on_unmapped(region_id, how="finalizer", reused_fd=None, still_mapped=False)` is how the
 memory layer reports an end: `finalizer` means only "collected"; the ledger, which knows
 who owned the region, decides what that was (`tensor` or the leak signal).
+
+Measuring holds nothing. `scrape()`, `resident_bytes()`, `open_fd_count()`, `mapped` and
+`views_alive()` run on any thread (the collector's, a publisher's) while the owner releases
+the region and drops its last view. They never take a strong reference to the mmap or the
+holder: one held across an fstat or a mincore could outlive the owner's last view, and the
+mapping would then stay in the measurer's hands, "released, still mapped" (a leak report,
+the gauge, a release counted `explicit` instead of `tensor`), until the measurement ended.
+They ask weak proxies instead: an attribute read through a proxy holds the object only
+inside one C call under the GIL, so it can never be the last reference. A mincore over an
+anonymous range is trusted only if the mapping is still there after it (an mmap object
+whose refcount reached zero, or that was closed, is never mapped again): a range that went
+away meanwhile counts 0 (ENOMEM, or another mapping's pages since), never touched.
 """
 
 from __future__ import annotations
@@ -141,6 +153,32 @@ def _views_gone(
         on_unmapped(region_id)
 
 
+def _mapping_open(proxy: Any) -> bool:
+    """Whether the mmap behind a weak proxy still maps its range, taking no reference.
+
+    `closed` is mmap's C getter: the proxy holds the object only inside that call, under
+    the GIL. The proxy is dead once the refcount reached zero, before the dealloc unmaps.
+    """
+    if proxy is None:
+        return False
+    try:
+        return not proxy.closed
+    except ReferenceError:
+        return False
+
+
+def _holder_alive(proxy: Any) -> bool:
+    """Whether the holder behind a weak proxy lives (its views, and so its memory), taking
+    no reference (`len` of a ctypes array is one C call under the GIL)."""
+    if proxy is None:
+        return False
+    try:
+        len(proxy)
+    except ReferenceError:
+        return False
+    return True
+
+
 @dataclass
 class Region:
     """One live allocation. Facts are plain values; the mapping is reached weakly."""
@@ -169,6 +207,19 @@ class Region:
     _finalizers: list[weakref.finalize[Any, Any]] = field(default_factory=list, repr=False)
     # The number of an fd we did not close because it named another file by then.
     fd_reused: int | None = field(default=None, repr=False)
+    # Weak proxies of the mmap and the holder: what measuring asks (see the module doc).
+    _mm_proxy: Any = field(default=None, init=False, repr=False, compare=False)
+    _holder_proxy: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # The builder holds both objects now: reading the refs here cannot be the last
+        # reference to either.
+        mm = self._mm_ref() if self._mm_ref is not None else None
+        if mm is not None:
+            self._mm_proxy = weakref.proxy(mm)
+        holder = self._holder_ref() if self._holder_ref is not None else None
+        if holder is not None:
+            self._holder_proxy = weakref.proxy(holder)
 
     @property
     def fd(self) -> int | None:
@@ -182,24 +233,26 @@ class Region:
 
     @property
     def mapped(self) -> bool:
-        """Whether the mapping still exists (some view, or an mmap object, holds it)."""
+        """Whether the mapping still exists (some view, or an mmap object, holds it).
+        Takes no reference to either (safe from any thread)."""
         if self._mm_ref is not None:
-            mm = self._mm_ref()
-            return mm is not None and not mm.closed
-        return self._holder_ref is not None and self._holder_ref() is not None
+            return _mapping_open(self._mm_proxy)
+        return _holder_alive(self._holder_proxy)
 
     def views_alive(self) -> bool:
-        return self._holder_ref is not None and self._holder_ref() is not None
+        """Whether the holder (any tensor over the region) lives. Takes no reference."""
+        return _holder_alive(self._holder_proxy)
 
     def mmap(self) -> RegionMapping | None:
-        """The mmap object, while it exists (strong reference for the caller)."""
+        """The mmap object, while it exists: a strong reference for its owner (sglang's
+        `mm`), which keeps the range mapped while held. Measuring code never calls it."""
         return self._mm_ref() if self._mm_ref is not None else None
 
     def open_fd_count(self) -> int:
-        """fds the process holds for this region: its own, plus mmap's internal dup."""
+        """fds the process holds for this region: its own, plus mmap's internal dup.
+        Takes no reference to the mapping."""
         own = 1 if self._fd_box else 0
-        mm = self.mmap()
-        dup = 1 if (self.dev_ino is not None and mm is not None and not mm.closed) else 0
+        dup = 1 if (self.dev_ino is not None and _mapping_open(self._mm_proxy)) else 0
         return own + dup
 
     def borrow_fd(self) -> int | None:
@@ -225,39 +278,39 @@ class Region:
         return dup
 
     def resident_bytes(self) -> int:
-        """Bytes of this region backed by memory now.
+        """Bytes of this region backed by memory now; 0 once it is gone.
 
-        fd-backed: `fstat().st_blocks` (~3 us at any size, hugetlb included); anonymous:
-        `mincore` (~5 ms per 4 GiB) while a strong reference keeps the range mapped.
+        fd-backed: `fstat().st_blocks` (~3 us at any size, hugetlb included); anonymous
+        and torch: `mincore` (~5 ms per 4 GiB), counted only if the mapping (or the holder)
+        is still there after it. Holds no reference: a release or the owner's last view
+        is never delayed by a measurement, and one that ends the region meanwhile makes
+        it count 0 (mincore never touches the pages; on an unmapped range it is ENOMEM).
         """
         if self.dev_ino is not None:
             return self.scrape()[1]
-        keep = self.mmap() if self._mm_ref is not None else None
-        if keep is None:
-            keep = self._holder_ref() if self._holder_ref is not None else None
-        if keep is None:
+        if not self.mapped:
             return 0
+        start = self.address & ~(syscalls.PAGE_SIZE - 1)
+        length = self.address + self.mapped_bytes - start
         try:
-            start = self.address & ~(syscalls.PAGE_SIZE - 1)
-            length = self.address + self.mapped_bytes - start
             pages = syscalls.mincore_resident_pages(start, length)
         except OSError:
-            return 0
-        finally:
-            del keep
+            return 0  # ENOMEM: unmapped since the check above
+        if not self.mapped:
+            return 0  # gone during mincore: what it saw may be another mapping's pages
         return min(self.mapped_bytes, pages * syscalls.PAGE_SIZE)
 
     def scrape(self) -> tuple[int, int]:
         """(open fds, resident bytes) in one pass: what a scrape needs, as cheaply as it can.
 
         One fstat per fd-backed region (verified against `dev_ino`: the number may name
-        another file once released); mincore for anonymous ones.
+        another file once released); mincore for anonymous ones. Holds no reference to the
+        mapping or the holder (see `resident_bytes`), so it may run on any thread while the
+        region is released.
         """
-        mm_ref = self._mm_ref
-        mm = mm_ref() if mm_ref is not None else None
         if self.dev_ino is None:
             return 0, self.resident_bytes()
-        dup = 1 if (mm is not None and not mm.closed) else 0
+        dup = 1 if _mapping_open(self._mm_proxy) else 0
         box = self._fd_box
         if not box:
             return dup, 0

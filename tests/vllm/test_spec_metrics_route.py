@@ -29,10 +29,9 @@ metrics_route.worker_region_made({"hostpool_metrics_dir": directory})
 print("ready", flush=True)
 sys.stdin.readline()  # "release"
 allocator = manager.allocator(pool, "shm")
-with metrics_route.quiet():
-    allocator.release(tensor)
-    del tensor
-    manager.close()
+allocator.release(tensor)
+del tensor
+manager.close()
 metrics_route.worker_region_released()
 print("released", flush=True)
 sys.stdin.readline()  # "exit"

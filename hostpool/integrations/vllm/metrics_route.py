@@ -131,8 +131,7 @@ class _WorkerPublisher:
         self.thread = threading.Thread(target=self.run, name="hostpool-vllm-metrics", daemon=True)
 
     def publish(self) -> None:
-        with _measuring:
-            samples = encode(measure(get_ledger()))
+        samples = encode(measure(get_ledger()))
         data = json.dumps({"pid": os.getpid(), "samples": samples})
         tmp = self.path.with_suffix(f".{threading.get_ident()}.tmp")
         fd = os.open(
@@ -156,18 +155,7 @@ class _WorkerPublisher:
 
 
 _lock = threading.Lock()
-# Held while this module measures the ledger: a scrape holds the region's mmap object for a
-# moment, and an explicit release in that moment finds the pages still mapped (counted, and
-# reported, as "released, still mapped"). Releases take it too (`quiet()`).
-_measuring = threading.Lock()
 _publisher: _WorkerPublisher | None = None
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """No measuring by this module's publisher while the body runs (a region's release)."""
-    with _measuring:
-        yield
 
 
 def worker_region_made(extra_config: Mapping[str, Any]) -> None:

@@ -163,14 +163,13 @@ class HostpoolRegion:
             return
         self._released = True
         tensor, self.tensor = self.tensor, None
-        with metrics_route.quiet():
-            if tensor is not None:
-                # Release while we still hold the tensor: an explicit release, whose pages
-                # go with the last view. Dropping the tensor first would let its finalizer
-                # count the release as `finalizer` (the leak signal).
-                self.allocator.release(tensor)
-                del tensor
-            report = self.manager.close()
+        if tensor is not None:
+            # Release while we still hold the tensor: an explicit release, whose pages
+            # go with the last view. Dropping the tensor first would let its finalizer
+            # count the release as `finalizer` (the leak signal).
+            self.allocator.release(tensor)
+            del tensor
+        report = self.manager.close()
         metrics_route.worker_region_released()
         counts = {
             how: n
