@@ -1,6 +1,6 @@
 """hostpool: tracked, shared-memory host KV-cache pools for LLM servers.
 
-Names are imported lazily (PEP 562): `import hostpool.testing` or `hostpool.procfs`
+Names are imported lazily (PEP 562): `import hostpool.testing` or `hostpool.proc.procfs`
 must not pay for torch.
 """
 

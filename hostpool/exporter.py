@@ -49,9 +49,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hostpool import events, procfs, procgroup
+from hostpool import events
 from hostpool.errors import ConfigError
-from hostpool.textsafe import printable
+from hostpool.proc import names, procfs, procgroup, scan
+from hostpool.proc.textsafe import printable
 
 LABELS = ["prefix", "pool"]
 OTHER_POOL = "_other"
@@ -89,10 +90,10 @@ class ProcfsCollector(Collector):
         if not scrape_budget > 0:
             raise ConfigError("scrape_budget must be a positive number of seconds")
         self.pid = pid
-        self.prefixes = tuple(match) if match else procfs.KNOWN_PREFIXES
+        self.prefixes = tuple(match) if match else names.KNOWN_PREFIXES
         self.max_pools = max_pools
         self.scrape_budget = scrape_budget
-        self._matcher = procfs.Matcher(self.prefixes)
+        self._matcher = scan.Matcher(self.prefixes)
         self._warned_unreadable = False
         self._warned_folded: set[str] = set()
         self._was_truncated = False
@@ -205,7 +206,7 @@ class ProcfsCollector(Collector):
         exists, and whether the deadline cut the reading short."""
         if self.pid is not None:
             try:
-                holdings = procfs.read_holdings(self.pid, self._matcher, deadline=deadline)
+                holdings = scan.read_holdings(self.pid, self._matcher, deadline=deadline)
             except procfs.ProcessNotFoundError:
                 return [], False, False  # it exited: its gauges go, target_up drops to 0
             except procfs.ProcessAccessError as exc:
@@ -214,7 +215,7 @@ class ProcfsCollector(Collector):
             finally:
                 self._matcher.next_scan()
             in_time = time.monotonic() <= deadline
-            complete = procfs.fill_residency(holdings, self._matcher, {}, smaps=in_time)
+            complete = scan.fill_residency(holdings, self._matcher, {}, smaps=in_time)
             complete = complete and holdings.complete
             return [procgroup.holdings_totals(holdings)], True, not complete
         result = procgroup.scan_totals(self._matcher, deadline=deadline)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hostpool import procfs
+from hostpool.proc import procfs
 from hostpool.testing import ShmLeakError, assert_no_leaks
 
 pytest_plugins = ["pytester"]

@@ -1,4 +1,4 @@
-"""hostpool.procfs against real memfds, /dev/shm files, mappings and processes."""
+"""hostpool.proc.procfs against real memfds, /dev/shm files, mappings and processes."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hostpool import procfs, procgroup
-from hostpool.procfs import ShmName, classify_path, parse_name
+from hostpool.proc import names, procfs, procgroup, scan
+from hostpool.proc.names import ShmName, classify_path, parse_name
 from tests import helpers, waiting
 
 PAGE = mmap.PAGESIZE
@@ -239,7 +239,7 @@ def test_a_process_reaped_between_opening_and_listing_its_fds_is_not_found() -> 
         child.kill()
         child.wait()
         with pytest.raises(procfs.ProcessNotFoundError):
-            procfs._shm_fds_in(dir_fd, child.pid, fd_dir, procfs.KNOWN_PREFIXES)
+            procfs._shm_fds_in(dir_fd, child.pid, fd_dir, names.KNOWN_PREFIXES)
     finally:
         os.close(dir_fd)
         assert child.stdin is not None
@@ -307,13 +307,13 @@ def _detailed(pid: int, prefix: str) -> dict[str, tuple[int, int, int]]:
 
 @pytest.mark.parametrize("fds_by", ["stat", "link", "auto"])
 def test_holdings_agree_with_the_detailed_reader(
-    holder: tuple[str, subprocess.Popen[str]], fds_by: procfs.FdStrategy
+    holder: tuple[str, subprocess.Popen[str]], fds_by: scan.FdStrategy
 ) -> None:
     prefix, proc = holder
-    matcher = procfs.Matcher((prefix,))
-    holdings = procfs.read_holdings(proc.pid, matcher, fds_by=fds_by)
+    matcher = scan.Matcher((prefix,))
+    holdings = scan.read_holdings(proc.pid, matcher, fds_by=fds_by)
     assert holdings.complete
-    assert procfs.fill_residency(holdings, matcher, {})
+    assert scan.fill_residency(holdings, matcher, {})
     totals = procgroup.holdings_totals(holdings)
     pool = prefix.removeprefix("hostpool.") + "_"
     got = {p: (t.open_fds, t.mappings, t.mapped_bytes) for (_, p), t in totals.items()}
@@ -340,8 +340,8 @@ def test_resident_bytes_are_the_pages_the_object_holds(memfd: tuple[str, int]) -
     name, fd = memfd
     os.pwrite(fd, b"x" * (7 * PAGE), 0)
     with mmap.mmap(fd, 4 * PAGE) as mm:  # maps 4 of the object's 7 written pages
-        matcher = procfs.Matcher((name,))
-        holdings = procfs.read_holdings("self", matcher)
+        matcher = scan.Matcher((name,))
+        holdings = scan.read_holdings("self", matcher)
         (obj,) = holdings.objects.values()
         st = os.fstat(fd)
         assert obj.allocated_bytes == st.st_blocks * 512 == 7 * PAGE
@@ -359,7 +359,7 @@ def test_hugetlb_objects_are_resident_in_whole_pages(hugepages_2m: int) -> None:
         os.ftruncate(fd, size)
         with mmap.mmap(fd, size) as mm:
             mm[0] = 1
-            holdings = procfs.read_holdings("self", procfs.Matcher((name,)))
+            holdings = scan.read_holdings("self", scan.Matcher((name,)))
             (obj,) = holdings.objects.values()
             (m,) = [m for m in procfs.shm_mappings("self", (name,), usage=True)]
             assert m.usage is not None
@@ -395,7 +395,7 @@ sys.stdin.readline()
     children = _children(proc.pid)
     try:
         assert len(children) == 1
-        result = procgroup.scan_totals(procfs.Matcher((prefix,)))
+        result = procgroup.scan_totals(scan.Matcher((prefix,)))
         pool = (prefix, prefix.removeprefix("hostpool."))
         by_pid = {pid: pools[pool] for pid, pools in result.processes}
         assert set(by_pid) == {proc.pid, children[0]}
@@ -426,10 +426,10 @@ def _wait_gone(pid: int) -> None:
 
 def test_a_deadline_cuts_the_reading_short(holder: tuple[str, subprocess.Popen[str]]) -> None:
     prefix, proc = holder
-    matcher = procfs.Matcher((prefix,))
+    matcher = scan.Matcher((prefix,))
     import time
 
-    holdings = procfs.read_holdings(proc.pid, matcher, deadline=time.monotonic() - 1)
+    holdings = scan.read_holdings(proc.pid, matcher, deadline=time.monotonic() - 1)
     assert not holdings.complete
     assert holdings.objects  # maps was read before the deadline was looked at
     result = procgroup.scan_totals(matcher, deadline=time.monotonic() - 1)
@@ -458,7 +458,7 @@ sys.stdin.readline()
 
 @pytest.mark.parametrize("fds_by", ["stat", "link"])
 def test_an_fd_whose_path_the_kernel_cannot_spell_is_skipped(
-    tmp_path: Path, fds_by: procfs.FdStrategy
+    tmp_path: Path, fds_by: scan.FdStrategy
 ) -> None:
     """Any user can hold a file under a path longer than a page: /proc cannot give its
     link (ENAMETOOLONG). The reader skips that fd and reads the rest, never failing."""
@@ -473,9 +473,9 @@ def test_an_fd_whose_path_the_kernel_cannot_spell_is_skipped(
             except OSError as exc:
                 unreadable += exc.errno == 36  # ENAMETOOLONG: the case is real
         assert unreadable == 1
-        matcher = procfs.Matcher((prefix,))
-        holdings = procfs.read_holdings(proc.pid, matcher, fds_by=fds_by)
-        assert procfs.fill_residency(holdings, matcher, {})
+        matcher = scan.Matcher((prefix,))
+        holdings = scan.read_holdings(proc.pid, matcher, fds_by=fds_by)
+        assert scan.fill_residency(holdings, matcher, {})
         pool = (prefix, prefix.removeprefix("hostpool."))
         totals = procgroup.holdings_totals(holdings)
         assert (totals[pool].open_fds, totals[pool].mappings) == (2, 1)  # fd + mmap's dup

@@ -1,10 +1,10 @@
-"""hostpool.textsafe: names from /proc made safe for text output."""
+"""hostpool.proc.textsafe: names from /proc made safe for text output."""
 
 from __future__ import annotations
 
 import pytest
 
-from hostpool.textsafe import field, printable
+from hostpool.proc.textsafe import field, printable
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,10 @@ import threading
 from types import FrameType
 from typing import Any
 
-from hostpool import events, procfs
+from hostpool import events
 from hostpool.errors import ConfigError
-from hostpool.textsafe import printable
+from hostpool.proc import procfs
+from hostpool.proc.textsafe import printable
 
 # the collector's default, without importing prometheus_client for --help
 DEFAULT_SCRAPE_BUDGET = 5.0

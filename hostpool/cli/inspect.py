@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, TextIO
 
-from hostpool import procfs, procgroup
-from hostpool.textsafe import field, printable
+from hostpool.proc import names, procfs, procgroup
+from hostpool.proc.textsafe import field, printable
 from hostpool.units import format_size
 
 CLEAR_SCREEN = "\033[H\033[2J"
@@ -55,7 +55,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     pid: int = os.getpid() if args.inspect_self else args.pid
-    prefixes = tuple(args.prefix) if args.prefix else procfs.KNOWN_PREFIXES
+    prefixes = tuple(args.prefix) if args.prefix else names.KNOWN_PREFIXES
     if not all(prefixes):
         return _fail(2, "--prefix must not be empty")
     try:

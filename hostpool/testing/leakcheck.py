@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from hostpool import procfs, procgroup
 from hostpool.errors import InvalidRequestError
-from hostpool.textsafe import printable
+from hostpool.proc import names, procfs, procgroup
+from hostpool.proc.textsafe import printable
 from hostpool.units import format_size
 
-DEFAULT_PREFIXES: tuple[str, ...] = (procfs.HOSTPOOL_PREFIX,)
+DEFAULT_PREFIXES: tuple[str, ...] = (names.HOSTPOOL_PREFIX,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,7 @@ class ShmState:
 class Leak:
     """One shm object with fds or mappings left behind, as /proc and the ledger know it."""
 
-    kind: procfs.Kind
+    kind: names.Kind
     name: str
     prefix: str
     pool: str

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from hostpool.proc.textsafe import field, printable
 from hostpool.testing import ShmLeakError, assert_no_leaks
-from hostpool.textsafe import field, printable
 from tests import helpers
 from tests.exporting import running_exporter
 from tests.reliability.results import record_procfs_attack as record

@@ -10,7 +10,7 @@ import subprocess
 import time
 import urllib.error
 
-from hostpool import procfs, procgroup
+from hostpool.proc import procgroup, scan
 from tests import helpers
 from tests.exporting import running_exporter, scrape, value
 from tests.reliability.results import RECORD
@@ -52,7 +52,7 @@ def stop_loop(proc: subprocess.Popen[str]) -> int:
 def test_scrapes_survive_processes_exiting_mid_read() -> None:
     prefix = f"hostpool.fork{secrets.token_hex(3)}"
     loops = [helpers.python_child(FORK_LOOP, prefix) for _ in range(2)]
-    matcher = procfs.Matcher((prefix,))
+    matcher = scan.Matcher((prefix,))
     scrapes = failed = scans = 0
     slowest = 0.0
     try:

@@ -20,7 +20,7 @@ import gc, json, logging, os, sys
 logging.getLogger("hostpool").setLevel(logging.DEBUG)
 from structlog.testing import capture_logs
 from prometheus_client import CollectorRegistry
-from hostpool import procfs
+from hostpool.proc import procfs
 from hostpool.lifecycle import get_ledger
 from hostpool.metrics import HostPoolCollector
 import hostpool.integrations.vllm as hv

@@ -1,5 +1,5 @@
 """A process's shm, grouped: fds and mappings into objects (by inode), objects into
-pools, and the findings /proc alone can decide. Pure functions over `hostpool.procfs`'s
+pools, and the findings /proc alone can decide. Pure functions over `hostpool.proc.procfs`'s
 readings; `inspect`, the exporter and the leak check use them."""
 
 from __future__ import annotations
@@ -10,21 +10,16 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from hostpool.procfs import (
-    Holdings,
-    Key,
-    Kind,
-    Matcher,
+from hostpool.proc.names import Kind, ShmName
+from hostpool.proc.procfs import (
     ProcessAccessError,
     ProcessNotFoundError,
     ProcessShm,
     ShmFd,
     ShmMapping,
-    ShmName,
-    fill_residency,
-    read_holdings,
     read_process,
 )
+from hostpool.proc.scan import Holdings, Key, Matcher, fill_residency, read_holdings
 
 
 @dataclass(frozen=True, slots=True)
