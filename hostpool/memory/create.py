@@ -243,6 +243,10 @@ def _create(
             # where a touch past the space would be a SIGBUS.
             populate.fallocate_all(b.fd, mapped)
         b.mm = _map(b.fd, mapped, map_flags, plan, options)
+        if seals and shm_file.hugetlb_page_size is not None:
+            # Against hole punching, now that our writable mapping exists (the seal
+            # refuses new writable mappings; ours stays writable): see shm.seal_mapped.
+            seals = shm.seal_mapped(shm_file)
     else:
         flags = map_flags
         if plan.hugetlb_size is not None:

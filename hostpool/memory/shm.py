@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from hostpool.errors import AllocationError
 from hostpool.memory import syscalls
 
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+SEALS = SIZE_SEALS | fcntl.F_SEAL_SEAL
+F_SEAL_FUTURE_WRITE = 0x10  # Linux 5.1; not in Python 3.11's fcntl
 DEVSHM_ATTEMPTS = 16
 _sequence = itertools.count()
 
@@ -94,9 +96,37 @@ def create_devshm(name: str, directory: str) -> ShmFile:
 
 
 def size_and_seal(shm: ShmFile, nbytes: int, *, seal: bool) -> int:
-    """ftruncate to `nbytes`, then seal SHRINK|GROW|SEAL (memfd only). Returns the seals."""
+    """ftruncate to `nbytes`, then seal SHRINK|GROW|SEAL (memfd only). Returns the seals.
+
+    A hugetlb memfd gets SHRINK|GROW only: `seal_mapped` finishes it once the owner's
+    mapping exists (F_SEAL_SEAL would refuse the seal that must come after the mapping).
+    """
     os.ftruncate(shm.fd, nbytes)
     if not seal or shm.backend != "memfd":
         return 0
-    fcntl.fcntl(shm.fd, fcntl.F_ADD_SEALS, SEALS)
+    fcntl.fcntl(shm.fd, fcntl.F_ADD_SEALS, SIZE_SEALS if shm.hugetlb_page_size else SEALS)
+    return fcntl.fcntl(shm.fd, fcntl.F_GET_SEALS)
+
+
+def seal_mapped(shm: ShmFile) -> int:
+    """Seal a hugetlb memfd the owner has just mapped: F_SEAL_FUTURE_WRITE, then
+    F_SEAL_SEAL. Returns the seals.
+
+    SHRINK does not stop `fallocate(PUNCH_HOLE)`, and on hugetlbfs a punched hole is a
+    SIGBUS for whoever touches it next (the pages can be taken meanwhile). Measured on
+    Linux 6.18: after F_SEAL_FUTURE_WRITE, PUNCH_HOLE and MADV_REMOVE are EPERM for
+    everyone, the owner included, while the owner's existing writable mapping stays
+    writable (MADV_POPULATE_WRITE, stores, a forked child's stores, mprotect down and
+    back up); a new writable MAP_SHARED mapping is EPERM and mprotect of a read-only one
+    to writable EACCES, read-only ones map. hostpool never maps a hugetlb memfd twice
+    (it is shared read-only; pinning registers the existing mapping), so a peer of
+    another uid can map it read-only and trust it not to be punched under it.
+    Kernels without the seal (EINVAL): F_SEAL_SEAL alone.
+    """
+    try:
+        fcntl.fcntl(shm.fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    fcntl.fcntl(shm.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
     return fcntl.fcntl(shm.fd, fcntl.F_GET_SEALS)

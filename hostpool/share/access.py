@@ -120,11 +120,21 @@ def is_hugetlb(fd: int) -> bool:
 
 
 def punchable(name: str, fd: int) -> str | None:
-    """Why a peer holding this fd writable could SIGBUS its owner by punching holes, or
-    None: hugetlb regions, whose punched pages the peer can take before the owner
-    refaults them."""
+    """Why this region cannot be shared writable because it is hugetlb, or None: unsealed,
+    a writable peer could punch holes and take the pages before the owner refaults them;
+    sealed against punching, no new writable mapping of it can be made at all."""
     if not is_hugetlb(fd):
         return None
+    try:
+        sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & PUNCH_SEALS
+    except OSError:
+        sealed = 0
+    if sealed:  # hostpool's own hugetlb memfds (memory.shm.seal_mapped)
+        return (
+            f"region {name} is backed by hugetlb pages and sealed against hole punching "
+            "(F_SEAL_FUTURE_WRITE), which also refuses every new writable mapping, so "
+            "hugetlb pools are shared read-only"
+        )
     return (
         f"region {name} is backed by hugetlb pages: a writable peer could punch a hole "
         "(fallocate) and take the freed hugepages, and this process would SIGBUS at its next "
