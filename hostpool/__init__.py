@@ -21,10 +21,10 @@ _EXPORTS = {
     "DefaultHostTensorAllocator": "hostpool.allocators",
     "create_allocator": "hostpool.allocators",
     "register_allocator": "hostpool.allocators",
-    "alloc_shm": "hostpool.allocators",
-    "alloc_mmap": "hostpool.allocators",
-    # sglang's rule lives once, in its integration (pure; imports no sglang).
-    "get_allocator_type": "hostpool.integrations.sglang",
+    # sglang's shapes and rule live once, in its integration (importing no sglang).
+    "alloc_shm": "hostpool.integrations.sglang.shapes",
+    "alloc_mmap": "hostpool.integrations.sglang.shapes",
+    "get_allocator_type": "hostpool.integrations.sglang.rules",
     "AllocationRecord": "hostpool.records",
     "get_ledger": "hostpool.lifecycle",
     "HostPoolError": "hostpool.errors",
@@ -62,8 +62,6 @@ if TYPE_CHECKING:
         HostTensorAllocator,
         MmapHostTensorAllocator,
         ShmHostTensorAllocator,
-        alloc_mmap,
-        alloc_shm,
         create_allocator,
         register_allocator,
     )
@@ -74,7 +72,8 @@ if TYPE_CHECKING:
         HugepageUnavailableError,
         InvalidRequestError,
     )
-    from hostpool.integrations.sglang import get_allocator_type
+    from hostpool.integrations.sglang.rules import get_allocator_type
+    from hostpool.integrations.sglang.shapes import alloc_mmap, alloc_shm
     from hostpool.lifecycle import get_ledger
     from hostpool.manager import HostPoolManager, LeakReport
     from hostpool.records import AllocationRecord

@@ -25,7 +25,6 @@ from hostpool.locks import ForkSafeLock
 from hostpool.memory.create import backend_of, create_region, plan_fallback
 from hostpool.memory.hugepages import HugepagePlan, Kind, plan_hugepages
 from hostpool.memory.options import RegionOptions, validate_pool_name
-from hostpool.memory.populate import failure_from_oserror
 from hostpool.memory.region import Region, tensor_over
 from hostpool.records import capture_stack
 
@@ -142,7 +141,7 @@ class HostTensorAllocator:
     # -- the interface ---------------------------------------------------------------
     def allocate(self, dims: Any, dtype: torch.dtype, device: Any = "cpu") -> torch.Tensor:
         """A tensor of `dims`/`dtype` over fresh, populated host memory."""
-        tensor, _region = self._allocate(dims, dtype, device)
+        tensor, _region = self.allocate_region(dims, dtype, device)
         if self._retained is not None:
             with self._commit_lock:
                 if not self._closed and self._retained is not None:
@@ -204,8 +203,12 @@ class HostTensorAllocator:
             f"bytes={self.allocated_bytes})"
         )
 
-    # -- internals -------------------------------------------------------------------
-    def _allocate(self, dims: Any, dtype: Any, device: Any) -> tuple[torch.Tensor, Region]:
+    def allocate_region(
+        self, dims: Any, dtype: torch.dtype, device: Any = "cpu"
+    ) -> tuple[torch.Tensor, Region]:
+        """`allocate()` that also returns the Region the tensor lives in (its fd and
+        mapping), and never retains the tensor. Raises what `allocate()` raises:
+        InvalidRequestError for a bad request, AllocationError when memory is refused."""
         started = time.perf_counter()
         try:
             check_device(device)
@@ -229,13 +232,14 @@ class HostTensorAllocator:
                 plan = plan_fallback(self.kind, nbytes, self.options)
                 region, holder, seconds = self._create_admitted(nbytes, plan, started, shape, dtype)
         except HostPoolError as exc:
-            self._failed(exc, started)
+            self.count_failure(exc, started)
             raise
         tensor = tensor_over(holder, shape, dtype)
         del holder
         self._emit_alloc(region, seconds)
         return tensor, region
 
+    # -- internals -------------------------------------------------------------------
     def _create_admitted(
         self,
         nbytes: int,
@@ -296,7 +300,9 @@ class HostTensorAllocator:
             return self._track_stacks
         return self._ledger.track_stacks
 
-    def _failed(self, exc: HostPoolError, started: float) -> None:
+    def count_failure(self, exc: HostPoolError, started: float) -> None:
+        """Count a failed allocation of this pool (by `exc.reason`, `invalid` for a bad
+        request) and emit `hostpool.alloc_failed`; `started` is its perf_counter() start."""
         reason = exc.reason if isinstance(exc, AllocationError) else "invalid"
         self._ledger.record_failure(self.pool, reason)
         events.warning(
@@ -420,39 +426,6 @@ def allocator_class(name: str) -> type[HostTensorAllocator]:
 def create_allocator(name: str, **options: Any) -> HostTensorAllocator:
     """An allocator of a registered type (`shm`, `mmap`, `default`, or registered)."""
     return allocator_class(name)(**options)
-
-
-def alloc_shm(
-    dims: Any, dtype: torch.dtype, *, pool: str = "default", **options: Any
-) -> tuple[torch.Tensor, int, mmap.mmap]:
-    """sglang's shape: (tensor, fd, mm). The fd is a dup the caller owns and closes.
-    The region is handed to the tensor: collected with it, it is a `tensor` release (the
-    normal end); `mm.close()` is an explicit release, safe while the tensor lives (the
-    pages go with the last view)."""
-    allocator = ShmHostTensorAllocator(pool, **options)
-    started = time.perf_counter()
-    tensor, region = allocator._allocate(dims, dtype, "cpu")
-    try:
-        fd = region.borrow_fd()
-    except OSError as exc:  # no fd left for the caller's copy: undo it, count the failure
-        nbytes = region.mapped_bytes
-        del tensor, region
-        allocator.close()
-        error = failure_from_oserror(exc, "alloc_shm: dup of the region's fd", nbytes)
-        allocator._failed(error, started)
-        raise error from exc
-    mm = region.mmap()
-    if fd is None or mm is None:  # cannot happen for a region just made; never hand out junk
-        raise AllocationError("region vanished before it was handed out", reason="other")
-    return tensor, fd, mm
-
-
-def alloc_mmap(
-    dims: Any, dtype: torch.dtype, *, pool: str = "default", **options: Any
-) -> torch.Tensor:
-    """A tensor over anonymous memory; the tensor owns the mapping (collected with it: a
-    `tensor` release, the normal end)."""
-    return MmapHostTensorAllocator(pool, **options).allocate(dims, dtype)
 
 
 _pin_warned = False

@@ -132,7 +132,7 @@ def test_churn_counts_balance_and_nothing_is_left(monkeypatch: pytest.MonkeyPatc
                         code = 1
                         try:
                             for alloc in allocators:
-                                alloc._allocate((4096,), torch.uint8, "cpu")
+                                alloc.allocate_region((4096,), torch.uint8, "cpu")
                             code = 0
                         finally:
                             os._exit(code)
@@ -160,7 +160,7 @@ def test_churn_counts_balance_and_nothing_is_left(monkeypatch: pytest.MonkeyPatc
                     alloc = rng.choice(allocators)
                     # log-uniform 4 KiB .. 64 MiB; the large end is rare, as in a server
                     nbytes = int(math.exp(rng.uniform(math.log(4096), math.log(64 << 20))))
-                    t, region = alloc._allocate((nbytes,), torch.uint8, "cpu")
+                    t, region = alloc.allocate_region((nbytes,), torch.uint8, "cpu")
                     if region.kind != "torch":
                         # A signature at the start tells a leaked region from a later,
                         # unrelated mapping that happens to get the same address range.

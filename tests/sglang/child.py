@@ -14,7 +14,9 @@ def build_pool_and_wait(conn: Any, label: str) -> None:
     load_sglang()
     import sglang.srt.mem_cache.pool_host.common as common
 
-    patched = common.get_allocator_from_storage.__module__ == "hostpool.integrations.sglang"
+    patched = common.get_allocator_from_storage.__module__.startswith(
+        "hostpool.integrations.sglang"
+    )
     pool = mha("layer_first", "shm", label) if patched else None
     nbytes = sum(b.numel() * b.element_size() for b in buffers(pool)) if pool else 0
     conn.send({"pid": os.getpid(), "patched": patched, "bytes": nbytes})

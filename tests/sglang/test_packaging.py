@@ -36,7 +36,7 @@ def test_the_wheel_carries_the_hook_at_its_root(tmp_path: Path) -> None:
         names = zf.namelist()
         assert PTH in names  # the root of the wheel: site-packages once installed
         assert zf.read(PTH) == (ROOT / PTH).read_bytes()
-        assert "hostpool/integrations/sglang.py" in names
+        assert "hostpool/integrations/sglang/__init__.py" in names
 
 
 def test_the_installed_environment_has_the_hook() -> None:
