@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry, make_wsgi_app
 
     from hostpool.exporter import ProcfsCollector
-    from hostpool.listener import Listener, bind
+    from hostpool.net.listener import Listener, bind
 
     if args.pid is not None:
         try:
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         http = Listener(bind(args.host, args.port)).serve(make_wsgi_app(registry))
-    except ConfigError as exc:  # deadlines and a connection cap: see hostpool.listener
+    except ConfigError as exc:  # deadlines and a connection cap: see hostpool.net.listener
         print(f"hostpool exporter: {exc}", file=sys.stderr)
         return 1
 

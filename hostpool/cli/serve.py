@@ -141,7 +141,7 @@ class _Stop:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hostpool import listener
+    from hostpool.net import listener
     from hostpool.serve import preflight
 
     cfg = build_config(args)
@@ -171,8 +171,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
     from hostpool.cli.progress import PopulateProgress
-    from hostpool.listener import Listener
     from hostpool.memory import populate
+    from hostpool.net.listener import Listener
     from hostpool.serve.http import service_app
     from hostpool.serve.service import PoolService
 

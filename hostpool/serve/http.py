@@ -1,6 +1,6 @@
 """HTTP endpoints of `hostpool serve`: /metrics, /debug/pools, /healthz (loopback by default).
 
-A WSGI application served by `hostpool.listener` (deadlines, a connection cap).
+A WSGI application served by `hostpool.net.listener` (deadlines, a connection cap).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from prometheus_client import (
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-from hostpool.listener import WSGIApp
 from hostpool.metrics import register_metrics
+from hostpool.net.listener import WSGIApp
 
 del GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR  # the global ones stay untouched
 

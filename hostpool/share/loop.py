@@ -3,6 +3,8 @@
 A peer costs one fd and a small record, never a thread, so a flood of idle connections
 cannot starve a legitimate attach. What the loop enforces:
 
+The policy is the one of `hostpool.net.guard`, shared with the HTTP listener:
+
 - caps per uid and in total (the total defaults to a quarter of RLIMIT_NOFILE, so the
   host application keeps its fds): at a cap, the oldest connection that holds nothing
   (no attachment, no reply in flight) is closed to make room; if every one holds
@@ -26,7 +28,6 @@ import collections
 import contextlib
 import errno
 import logging
-import resource
 import selectors
 import socket
 import struct
@@ -38,9 +39,16 @@ from typing import Any
 
 from hostpool import events
 from hostpool.errors import ConfigError
+from hostpool.net.guard import (
+    FD_SHORTAGE,
+    Backoff,
+    Throttle,
+    connection_cap,
+    oldest_idle,
+    past_deadline,
+)
 from hostpool.share import protocol
 
-FD_SHORTAGE = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 ACCEPT_BATCH = 64
 BACKOFF_MIN = 0.05
 BACKOFF_MAX = 1.0
@@ -65,9 +73,7 @@ class Limits:
         send_timeout: float = 5.0,
     ) -> Limits:
         if max_connections is None:
-            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-            usable = soft if soft != resource.RLIM_INFINITY else 4096
-            max_connections = max(4, min(256, usable // 4))
+            max_connections = connection_cap(256, 4)
         if max_per_uid is None:
             max_per_uid = max(1, max_connections // 4)
         if max_connections < 1 or max_per_uid < 1 or request_timeout <= 0 or send_timeout <= 0:
@@ -105,35 +111,6 @@ class Peer:
 Handler = Callable[[Peer, dict[str, Any]], list[tuple[bytes, list[int]]]]
 
 
-class Throttle:
-    """At most one event per (event, key) per `interval`; the rest are counted into it."""
-
-    def __init__(self, interval: float = 1.0) -> None:
-        self.interval = interval
-        self._last: dict[tuple[str, object], float] = {}
-        self._held: dict[tuple[str, object], tuple[int, dict[str, Any]]] = {}
-
-    def warning(self, event: str, key: object, **fields: Any) -> None:
-        now = time.monotonic()
-        slot = (event, key)
-        if now - self._last.get(slot, -self.interval) >= self.interval:
-            self._last[slot] = now
-            folded, _ = self._held.pop(slot, (0, {}))
-            events.warning(event, count=folded + 1, **fields)
-        else:
-            n, _ = self._held.get(slot, (0, {}))
-            self._held[slot] = (n + 1, fields)
-
-    def flush(self) -> None:
-        """Emit what was held back once its interval has passed (a flood's tail)."""
-        now = time.monotonic()
-        for slot, (n, fields) in list(self._held.items()):
-            if now - self._last.get(slot, 0.0) >= self.interval:
-                del self._held[slot]
-                self._last[slot] = now
-                events.warning(slot[0], count=n, **fields)
-
-
 class ShareLoop:
     """Accepts on `listener`, reads one request at a time per peer, sends what `handler`
     returns, and calls `on_close(peer)` exactly once per admitted peer."""
@@ -160,7 +137,7 @@ class ShareLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._listening = False
-        self._backoff = 0.0
+        self._backoff = Backoff(BACKOFF_MIN, BACKOFF_MAX)
         self._resume_at = 0.0
 
     # -- lifecycle -------------------------------------------------------------------
@@ -249,19 +226,19 @@ class ShareLoop:
                     continue
                 self._pause(exc)
                 return
-            self._backoff = 0.0
+            self._backoff.reset()
             self._admit(conn)
 
     def _pause(self, exc: OSError) -> None:
         """Stop accepting for a while: the pending connection stays queued in the kernel."""
-        self._backoff = min(BACKOFF_MAX, max(BACKOFF_MIN, self._backoff * 2))
-        self._resume_at = time.monotonic() + self._backoff
+        pause = self._backoff.next()
+        self._resume_at = time.monotonic() + pause
         self._listen(False)
         self.throttle.warning(
             "hostpool.share_accept_paused",
             exc.errno,
             error=exc.strerror,
-            seconds=self._backoff,
+            seconds=pause,
             connections=len(self.peers),
         )
 
@@ -309,14 +286,13 @@ class ShareLoop:
         self, reason: str, among: Iterable[Peer] | None = None, spare: Peer | None = None
     ) -> bool:
         """Close the oldest connection that holds nothing; False if there is none."""
-        candidates = [
-            p
-            for p in (self.peers.values() if among is None else among)
-            if p.idle and p is not spare
-        ]
-        if not candidates:
+        # peers and `among` are in the order they were accepted: oldest first
+        victim = oldest_idle(
+            list(self.peers.values() if among is None else among),
+            lambda p: p.idle and p is not spare,
+        )
+        if victim is None:
             return False
-        victim = min(candidates, key=lambda p: p.accepted)
         self.throttle.warning("hostpool.share_evicted", victim.uid, uid=victim.uid, reason=reason)
         self.drop(victim)
         return True
@@ -376,9 +352,7 @@ class ShareLoop:
         peer.deadline = None if peer.pools else time.monotonic() + self.limits.request_timeout
 
     def _expire(self, now: float) -> None:
-        for peer in [
-            p for p in self.peers.values() if p.deadline is not None and p.deadline <= now
-        ]:
+        for peer in past_deadline(self.peers.values(), lambda p: p.deadline, now):
             what = "reply not read" if peer.outbox else "no request"
             self.throttle.warning(
                 "hostpool.share_timeout", peer.uid, pid=peer.pid, uid=peer.uid, reason=what

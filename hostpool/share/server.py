@@ -23,9 +23,10 @@ from hostpool.errors import ShareError
 from hostpool.lifecycle import Ledger, get_ledger
 from hostpool.manager import HostPoolManager
 from hostpool.memory.region import Region
+from hostpool.net.guard import FD_SHORTAGE
 from hostpool.share import protocol
 from hostpool.share.access import AccessPolicy, Grant
-from hostpool.share.loop import FD_SHORTAGE, Limits, Peer, ShareLoop
+from hostpool.share.loop import Limits, Peer, ShareLoop
 from hostpool.share.socketpath import SocketPath
 
 Packets = list[tuple[bytes, list[int]]]

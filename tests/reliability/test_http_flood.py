@@ -221,7 +221,7 @@ def test_half_open_flood_under_ulimit_1024(tmp_path: Path, command: str) -> None
 
 def test_a_lone_half_open_request_meets_its_deadline(tmp_path: Path) -> None:
     """No flood, no cap reached: the request deadline alone closes a trickling client."""
-    from hostpool.listener import REQUEST_TIMEOUT
+    from hostpool.net.listener import REQUEST_TIMEOUT
 
     with _server(tmp_path, "exporter") as (_proc, url, err):
         host, port = url.removeprefix("http://").rsplit(":", 1)

@@ -2,7 +2,8 @@
 
 waitress reads every connection on one event loop and runs complete requests only on a
 few worker threads, so idle or half-open connections cost an fd each and nothing else.
-On top of it this module adds what a listener next to a production server needs:
+On top of it this module adds what a listener next to a production server needs, with
+the policy of `hostpool.net.guard`:
 
 - the socket is bound by `bind()` before anything slow happens (a port in use is the
   first thing an operator hears about, not the last);
@@ -18,8 +19,6 @@ On top of it this module adds what a listener next to a production server needs:
 
 from __future__ import annotations
 
-import errno
-import resource
 import socket
 import threading
 import time
@@ -31,6 +30,14 @@ from waitress.server import TcpWSGIServer
 
 from hostpool import events
 from hostpool.errors import ConfigError
+from hostpool.net.guard import (
+    FD_SHORTAGE,
+    Backoff,
+    Throttle,
+    connection_cap,
+    oldest_idle,
+    past_deadline,
+)
 
 # environ, start_response -> body chunks
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
@@ -40,7 +47,7 @@ REQUEST_TIMEOUT = 5.0
 IDLE_TIMEOUT = 30.0
 _MAINTENANCE_INTERVAL = 0.25
 _ACCEPT_BURST = 64  # accepts per wake-up: drains a flooded backlog quickly
-_EMFILE_BACKOFF = 0.1
+_FD_SHORTAGE_PAUSE = 0.1  # seconds without accepting when no connection can be closed
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -64,11 +71,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def default_connection_limit() -> int:
-    """A quarter of RLIMIT_NOFILE (at most 512): the rest stays for the pools' fds."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return DEFAULT_CONNECTION_LIMIT
-    return max(8, min(DEFAULT_CONNECTION_LIMIT, soft // 4))
+    """A quarter of RLIMIT_NOFILE, between 8 and 512: the rest stays for the pools' fds."""
+    return connection_cap(DEFAULT_CONNECTION_LIMIT, 8)
 
 
 class _Channel(HTTPChannel):
@@ -94,6 +98,7 @@ class _GuardedServer(TcpWSGIServer):
         self.limits = limits
         self._next_maintenance = 0.0
         self._accept_after = 0.0
+        self._backoff = Backoff(_FD_SHORTAGE_PAUSE, _FD_SHORTAGE_PAUSE)
         self.stopping = False
         super().__init__(app, _sock=sock, bind_socket=False, **kw)
 
@@ -125,35 +130,43 @@ class _GuardedServer(TcpWSGIServer):
             except BlockingIOError:
                 return
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                if exc.errno in FD_SHORTAGE:
                     # Out of fds: make room, and wait a little instead of spinning.
                     if not self._evict_oldest("fd_limit"):
-                        self._accept_after = time.monotonic() + _EMFILE_BACKOFF
+                        self._accept_after = time.monotonic() + self._backoff.next()
                     return
                 self.limits.count("accept_error")
                 return
+            self._backoff.reset()
             self.channel_class(self, conn, addr, self.adj, map=self.socket_map)
 
     def _evict_oldest(self, why: str) -> bool:
-        """Close the oldest connection with no request in service (creation order: the
-        first one found is almost always it)."""
-        for channel in list(self._channels().values()):  # a snapshot: threads close too
-            if not channel.requests:
-                channel.handle_close()
-                self.limits.count(why)
-                return True
-        return False
+        """Close the oldest connection with no request in service (waitress keeps them in
+        creation order); False if every one has a request in service."""
+        # a snapshot: worker threads close channels too
+        channel = oldest_idle(list(self._channels().values()), lambda c: not c.requests)
+        if channel is None:
+            return False
+        channel.handle_close()
+        self.limits.count(why)
+        return True
 
     def _enforce_deadlines(self, now: float) -> None:
-        wall = time.time()
-        for channel in [c for c in list(self._channels().values()) if not c.requests]:
-            started = channel.request_started
-            if started is not None and now - started > self.limits.request_timeout:
-                channel.handle_close()
-                self.limits.count("request_timeout")
-            elif started is None and wall - channel.last_activity > self.limits.idle_timeout:
-                channel.handle_close()
-                self.limits.count("idle_timeout")
+        # waitress dates activity by the wall clock, a request's start by the monotonic one
+        to_wall = time.time() - now
+        limits = self.limits
+
+        def deadline(channel: _Channel) -> float | None:
+            if channel.requests:
+                return None  # in service: the application's time, not the client's
+            if channel.request_started is not None:
+                return channel.request_started + limits.request_timeout
+            return channel.last_activity - to_wall + limits.idle_timeout
+
+        for channel in past_deadline(list(self._channels().values()), deadline, now):
+            why = "idle_timeout" if channel.request_started is None else "request_timeout"
+            channel.handle_close()
+            limits.count(why)
 
     def maintenance(self, now: float) -> None:
         pass  # replaced by _enforce_deadlines (monotonic time, request deadlines)
@@ -165,14 +178,12 @@ class _Limits:
         self.request_timeout = request_timeout
         self.idle_timeout = idle_timeout
         self.closed: dict[str, int] = {}
-        self._last_event = 0.0
+        self._throttle = Throttle(interval=10.0)  # a flood is one line per 10 s
 
     def count(self, why: str) -> None:
+        """Count a connection the listener closed; the totals go out, throttled."""
         self.closed[why] = self.closed.get(why, 0) + 1
-        now = time.monotonic()
-        if now - self._last_event >= 10.0:  # a flood is one line per 10 s, not one per socket
-            self._last_event = now
-            events.warning("hostpool.http_connections_closed", **self.closed)
+        self._throttle.warning("hostpool.http_connections_closed", None, **self.closed)
 
 
 class Listener:
