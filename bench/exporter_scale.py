@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import RESULTS_DIR, machine_facts, other_cpu, utc_now, write_json
-from hostpool.exporter import ProcfsCollector
+from hostpool.metrics.exporter import ProcfsCollector
 
 RESULTS = RESULTS_DIR / "exporter_scale.json"
 WALL_TARGET_S = 2.0

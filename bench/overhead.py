@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hostpool import HostPoolManager, ShmHostTensorAllocator
-from hostpool.budget import Admission
+from hostpool.core.budget import Admission
 from hostpool.memory import cgroup, kernel
 from hostpool.memory.create import create_region
 from hostpool.memory.options import RegionOptions

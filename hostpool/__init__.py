@@ -9,24 +9,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hostpool._lazy import lazy_exports
-
-__version__ = "0.1.0"
+from hostpool._version import __version__
 
 _EXPORTS = {
-    "HostPoolManager": "hostpool.manager",
-    "LeakReport": "hostpool.manager",
-    "HostTensorAllocator": "hostpool.allocators",
-    "ShmHostTensorAllocator": "hostpool.allocators",
-    "MmapHostTensorAllocator": "hostpool.allocators",
-    "DefaultHostTensorAllocator": "hostpool.allocators",
-    "create_allocator": "hostpool.allocators",
-    "register_allocator": "hostpool.allocators",
+    "HostPoolManager": "hostpool.core.manager",
+    "LeakReport": "hostpool.core.manager",
+    "HostTensorAllocator": "hostpool.core.allocators",
+    "ShmHostTensorAllocator": "hostpool.core.allocators",
+    "MmapHostTensorAllocator": "hostpool.core.allocators",
+    "DefaultHostTensorAllocator": "hostpool.core.allocators",
+    "create_allocator": "hostpool.core.allocators",
+    "register_allocator": "hostpool.core.allocators",
     # sglang's shapes and rule live once, in its integration (importing no sglang).
     "alloc_shm": "hostpool.integrations.sglang.shapes",
     "alloc_mmap": "hostpool.integrations.sglang.shapes",
     "get_allocator_type": "hostpool.integrations.sglang.rules",
-    "AllocationRecord": "hostpool.records",
-    "get_ledger": "hostpool.lifecycle",
+    "AllocationRecord": "hostpool.core.records",
+    "get_ledger": "hostpool.core.ledger",
     "HostPoolError": "hostpool.errors",
     "InvalidRequestError": "hostpool.errors",
     "ConfigError": "hostpool.errors",
@@ -57,7 +56,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from hostpool.allocators import (
+    from hostpool.core.allocators import (
         DefaultHostTensorAllocator,
         HostTensorAllocator,
         MmapHostTensorAllocator,
@@ -65,6 +64,9 @@ if TYPE_CHECKING:
         create_allocator,
         register_allocator,
     )
+    from hostpool.core.ledger import get_ledger
+    from hostpool.core.manager import HostPoolManager, LeakReport
+    from hostpool.core.records import AllocationRecord
     from hostpool.errors import (
         AllocationError,
         ConfigError,
@@ -74,8 +76,5 @@ if TYPE_CHECKING:
     )
     from hostpool.integrations.sglang.rules import get_allocator_type
     from hostpool.integrations.sglang.shapes import alloc_mmap, alloc_shm
-    from hostpool.lifecycle import get_ledger
-    from hostpool.manager import HostPoolManager, LeakReport
-    from hostpool.records import AllocationRecord
 
 __getattr__, __dir__ = lazy_exports("hostpool", _EXPORTS, globals())

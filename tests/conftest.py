@@ -17,7 +17,7 @@ def no_leaked_fds() -> Iterator[None]:
     """The test must leave no hostpool fd and no hostpool mapping behind."""
     import gc
 
-    from hostpool.lifecycle import get_ledger
+    from hostpool.core.ledger import get_ledger
 
     before_fds = set(helpers.fd_links())
     before_maps = len(helpers.maps_lines("hostpool."))

@@ -24,9 +24,9 @@ from hostpool import (
     get_allocator_type,
     register_allocator,
 )
+from hostpool.core.ledger import get_ledger
 from hostpool.errors import HostPoolError
 from hostpool.integrations.sglang import BAD_EXTRA_CONFIG
-from hostpool.lifecycle import get_ledger
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -303,7 +303,7 @@ def test_the_rule_lives_in_the_integration_and_the_core_does_not_import_it() -> 
 
     assert hostpool.get_allocator_type is sglang.get_allocator_type
     code = (
-        "import sys, hostpool.allocators, hostpool.manager; "
+        "import sys, hostpool.core.allocators, hostpool.core.manager; "
         "print('hostpool.integrations.sglang' in sys.modules)"
     )
     out = subprocess.run(

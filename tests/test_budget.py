@@ -241,7 +241,7 @@ def test_a_hugepage_fallback_is_admitted_like_any_request(hugepages_2m: int) -> 
             with open({os.path.join(group, "cgroup.procs")!r}, "w") as f:
                 f.write(str(os.getpid()))
             from hostpool import HostPoolManager, AllocationError
-            from hostpool.lifecycle import get_ledger
+            from hostpool.core.ledger import get_ledger
             with HostPoolManager(budget=8 << 20) as m:
                 a = m.allocator("fb", hugepages="prefer")
                 try:
@@ -333,7 +333,7 @@ def test_no_free_fds_is_fd_limit_counted_never_a_raw_oserror() -> None:
         """
         import os, resource, torch
         from hostpool import AllocationError, HostPoolManager
-        from hostpool.lifecycle import get_ledger
+        from hostpool.core.ledger import get_ledger
         m = HostPoolManager()
         a = m.allocator("nofds")
         a.release(a.allocate((4096,), torch.uint8))  # warm: imports and probes

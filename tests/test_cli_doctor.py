@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from hostpool.units import format_size
+from hostpool.base.units import format_size
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

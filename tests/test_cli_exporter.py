@@ -238,6 +238,6 @@ def test_bad_scrape_budgets_are_one_line_usage_errors(budget: str, message: str)
 
 def test_the_cli_default_budget_is_the_collectors() -> None:
     from hostpool.cli import exporter as cli
-    from hostpool.exporter import DEFAULT_SCRAPE_BUDGET
+    from hostpool.metrics.exporter import DEFAULT_SCRAPE_BUDGET
 
     assert cli.DEFAULT_SCRAPE_BUDGET == DEFAULT_SCRAPE_BUDGET < 10  # Prometheus' timeout

@@ -97,7 +97,7 @@ def test_cli_log_carries_hostpool_events_only(fmt: str) -> None:
         f"""
         import logging
         from hostpool.cli.logsetup import configure_logging
-        from hostpool import events
+        from hostpool.base import events
         configure_logging("info", "{fmt}")
         logging.getLogger("torch._subclasses.fake_tensor").info("FakeTensor cache stats:")
         events.info("hostpool.demo_event", pool="kv")

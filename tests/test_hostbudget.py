@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from hostpool import AllocationError, HostPoolManager
-from hostpool.budget import BudgetPolicy
-from hostpool.integrations.hostbudget import HostBudget
+from hostpool.core.budget import BudgetPolicy
+from hostpool.core.hostbudget import HostBudget
 
 MiB = 1 << 20
 LIMIT = 256 * MiB
@@ -28,7 +28,7 @@ RANK = textwrap.dedent(
     """
     import sys, torch
     from hostpool import AllocationError, HostPoolManager
-    from hostpool.integrations.hostbudget import HostBudget
+    from hostpool.core.hostbudget import HostBudget
     manager = HostPoolManager(budget=HostBudget({limit}, {directory!r}))
     allocator = manager.allocator("kv", "shm")
     print("ready", flush=True)
@@ -111,7 +111,7 @@ def test_four_ranks_share_256mib_then_a_killed_holder_frees_its_share(
 FORKER = textwrap.dedent(
     """
     import os, sys
-    from hostpool.integrations.hostbudget import HostBudget
+    from hostpool.core.hostbudget import HostBudget
     budget = HostBudget({limit}, {directory!r})
     budget.admit({need}, 0)
     ready_r, ready_w = os.pipe()

@@ -226,7 +226,7 @@ def test_allocates_and_keeps():
 @pytest.mark.hostpool_leak_check
 def test_allocates_untracked(monkeypatch):
     import torch, hostpool
-    from hostpool.lifecycle import get_ledger
+    from hostpool.core.ledger import get_ledger
     monkeypatch.setattr(get_ledger(), "track_stacks", False)
     allocator = hostpool.ShmHostTensorAllocator(pool="untracked")
     KEEP.append((allocator, allocator.allocate((1024,), torch.uint8)))
@@ -316,7 +316,7 @@ def test_baseline_then_verify_and_gc_only_when_needed(monkeypatch: pytest.Monkey
 def test_plugin_import_pulls_in_neither_torch_nor_allocators() -> None:
     code = (
         "import sys, hostpool.testing.plugin;"
-        "heavy = ('torch', 'hostpool.allocators', 'hostpool.memory');"
+        "heavy = ('torch', 'hostpool.core.allocators', 'hostpool.memory');"
         "bad = [m for m in heavy if m in sys.modules];"
         "print(bad)"
     )

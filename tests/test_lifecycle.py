@@ -18,7 +18,7 @@ from hostpool import (
     HostPoolManager,
     ShmHostTensorAllocator,
 )
-from hostpool.lifecycle import get_ledger
+from hostpool.core.ledger import get_ledger
 from hostpool.memory.region import Region
 from tests import helpers
 

@@ -241,7 +241,7 @@ def _meminfo_total() -> int:
 
 
 def test_budget_gauge_is_one_series_per_limit_never_above_the_host() -> None:
-    from hostpool.budget import LIMITS
+    from hostpool.core.budget import LIMITS
 
     registry = CollectorRegistry()
     register_metrics(registry)
@@ -273,7 +273,7 @@ def test_budget_gauge_is_one_series_per_limit_never_above_the_host() -> None:
 PUBLISHER = """
 import os, sys, time, torch
 from hostpool import HostPoolManager
-from hostpool.lifecycle import get_ledger
+from hostpool.core.ledger import get_ledger
 from hostpool.multiprocess import MultiprocessPublisher
 m = HostPoolManager()
 kv = m.allocator("timed", "mmap")

@@ -294,7 +294,7 @@ def test_github_anchor() -> None:
 
 def test_catalogue_matches_the_library() -> None:
     """metrics/README.md lists exactly what hostpool.metrics exports, types and labels."""
-    from hostpool import metrics
+    from hostpool.metrics import collector as metrics
 
     catalogue = lint.load_catalogue()
     exported = {

@@ -27,7 +27,7 @@ import torch
 from structlog.testing import capture_logs
 
 from hostpool import HostPoolManager
-from hostpool.lifecycle import get_ledger
+from hostpool.core.ledger import get_ledger
 from hostpool.memory import syscalls
 from hostpool.memory.region import Region
 from hostpool.metrics import measure

@@ -329,11 +329,11 @@ def test_version_and_help_say_the_syntax() -> None:
 
 
 def test_builtin_allocator_names_match_the_registry() -> None:
-    from hostpool.allocators import allocator_names
+    from hostpool.core.allocators import allocator_names
     from hostpool.serve.config import BUILTIN_ALLOCATORS
 
     fresh = helpers.run_python(
-        "from hostpool.allocators import allocator_names; print(allocator_names())"
+        "from hostpool.core.allocators import allocator_names; print(allocator_names())"
     )
     assert fresh.stdout.strip() == str(sorted(BUILTIN_ALLOCATORS))
     assert set(BUILTIN_ALLOCATORS) <= set(allocator_names())

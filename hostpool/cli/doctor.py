@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from hostpool.units import format_size, parse_size
+from hostpool.base.units import format_size, parse_size
 
 
 def add_parser(sub: Any) -> None:
@@ -52,7 +52,7 @@ def _thp(choice: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hostpool.doctor import facts, plan
+    from hostpool.core.doctor import facts, plan
 
     need = parse_size(args.need, what="--need")
     report = {"host": facts(), "plan": plan(args.hugepages, args.hugepage_size, need)}

@@ -9,7 +9,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from hostpool import events
+from hostpool.base import events
 from hostpool.errors import ConfigError
 from hostpool.proc import procfs
 from hostpool.proc.textsafe import printable
@@ -62,7 +62,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry, make_wsgi_app
 
-    from hostpool.exporter import ProcfsCollector
+    from hostpool.metrics.exporter import ProcfsCollector
     from hostpool.net.listener import Listener, bind
 
     if args.pid is not None:

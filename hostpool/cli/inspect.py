@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, TextIO
 
+from hostpool.base.units import format_size
 from hostpool.proc import names, procfs, procgroup
 from hostpool.proc.textsafe import field, printable
-from hostpool.units import format_size
 
 CLEAR_SCREEN = "\033[H\033[2J"
 

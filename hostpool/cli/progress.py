@@ -13,9 +13,9 @@ import time
 from types import TracebackType
 from typing import TextIO
 
-from hostpool import events
+from hostpool.base import events
+from hostpool.base.units import format_size
 from hostpool.cli import logsetup
-from hostpool.units import format_size
 
 _WIDTH = 24
 

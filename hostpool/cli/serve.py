@@ -15,7 +15,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from hostpool import events
+from hostpool.base import events
 from hostpool.errors import AllocationError, Cancelled, ConfigError, HostPoolError, ShareError
 from hostpool.serve import config as serve_config
 
@@ -77,7 +77,7 @@ def add_parser(sub: Any) -> None:
 def build_config(args: argparse.Namespace) -> serve_config.ServeConfig:
     data: dict[str, Any] = {"server": {}}
     if args.config:
-        from hostpool.config import load_file
+        from hostpool.base.config import load_file
 
         data = load_file(args.config, what="serve config")
         data.setdefault("server", {})
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     sock = listener.bind(cfg.host, cfg.port)
     if args.check:
         sock.close()
-        from hostpool.units import format_size
+        from hostpool.base.units import format_size
 
         pools = ", ".join(f"{p.name} {format_size(p.size)} ({p.allocator})" for p in cfg.pools)
         print(f"ok: {len(cfg.pools)} pools ({pools}); listen {cfg.host}:{cfg.port}")

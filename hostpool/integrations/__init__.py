@@ -53,6 +53,6 @@ def autoload() -> None:
     for name in known:
         importlib.import_module(KNOWN[name]).install()
     if known:
-        from hostpool import events
+        from hostpool.base import events
 
         events.info("hostpool.instrumented", integrations=",".join(known), pid=os.getpid())

@@ -1,10 +1,10 @@
 """OS layer: shared memory, mappings, populate, hugepages, seals, pinning. No policy."""
 
+from hostpool.base.units import format_size, parse_size
 from hostpool.memory.create import create_region
 from hostpool.memory.hugepages import plan_hugepages
 from hostpool.memory.options import RegionOptions
 from hostpool.memory.region import Region, tensor_over
-from hostpool.units import format_size, parse_size
 
 __all__ = [
     "Region",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
-from hostpool.units import page_spans
+from hostpool.base.units import page_spans
 
 
 class CudaRuntime(Protocol):

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from hostpool.base.units import format_size
 from hostpool.errors import HugepageUnavailableError
 from hostpool.memory import kernel, thp
 from hostpool.memory.options import RegionOptions
-from hostpool.units import format_size
 
 Kind = Literal["shm", "mmap", "torch"]
 

@@ -7,9 +7,9 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from hostpool.base.units import parse_size
 from hostpool.errors import InvalidRequestError
 from hostpool.memory import kernel
-from hostpool.units import parse_size
 
 HugepageMode = Literal["off", "prefer", "required"]
 PopulateMode = Literal["auto", "madvise", "map_populate", "touch", "none"]

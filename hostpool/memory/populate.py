@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from hostpool.base.units import page_spans
 from hostpool.errors import AllocationError, Cancelled
 from hostpool.memory import kernel, syscalls
-from hostpool.units import page_spans
 
 # Below this a single madvise is cheaper than starting threads.
 PARALLEL_THRESHOLD = 256 << 20

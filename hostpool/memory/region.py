@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from hostpool.locks import ForkSafeLock
+from hostpool.base.locks import ForkSafeLock
 from hostpool.memory import cuda, syscalls
 
 Kind = Literal["shm", "mmap", "torch"]

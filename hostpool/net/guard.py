@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from hostpool import events
+from hostpool.base import events
 
 # accept() or a reply failing for want of fds or kernel memory: make room, or back off
 FD_SHORTAGE = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)

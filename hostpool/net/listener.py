@@ -28,7 +28,7 @@ from typing import Any
 from waitress.channel import HTTPChannel
 from waitress.server import TcpWSGIServer
 
-from hostpool import events
+from hostpool.base import events
 from hostpool.errors import ConfigError
 from hostpool.net.guard import (
     FD_SHORTAGE,

@@ -11,10 +11,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from hostpool.config import load_file
+from hostpool.base.config import load_file
+from hostpool.base.units import parse_size
 from hostpool.errors import ConfigError, HostPoolError
 from hostpool.memory.options import RegionOptions, validate_pool_name
-from hostpool.units import parse_size
 
 DEFAULT_CHUNK = 256 << 20
 # Small enough for any laptop, shaped like a hybrid model's host cache.
@@ -36,13 +36,13 @@ _POOL_KEYS = {"size", "allocator", "chunk"} | {
 }
 _SERVER_KEYS = {"host", "port", "budget", "host_budget", "budget_dir", "share_socket", "demo_load"}
 DEFAULT_BUDGET_DIR = "/dev/shm/hostpool-budget"
-# hostpool.allocators' own registry, known without importing torch (a test keeps the two
-# equal); allocators registered in-process are seen once hostpool.allocators is imported.
+# hostpool.core.allocators' own registry, known without importing torch (a test keeps the two
+# equal); allocators registered in-process are seen once hostpool.core.allocators is imported.
 BUILTIN_ALLOCATORS = ("default", "mmap", "shm")
 
 
 def allocator_names() -> list[str]:
-    module = sys.modules.get("hostpool.allocators")
+    module = sys.modules.get("hostpool.core.allocators")
     if module is None:
         return sorted(BUILTIN_ALLOCATORS)
     names: list[str] = module.allocator_names()

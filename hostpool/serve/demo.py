@@ -16,8 +16,8 @@ import threading
 
 import torch
 
-from hostpool import events
-from hostpool.allocators import ShmHostTensorAllocator
+from hostpool.base import events
+from hostpool.core.allocators import ShmHostTensorAllocator
 from hostpool.errors import HostPoolError
 from hostpool.memory import kernel
 from hostpool.serve.service import PoolService

@@ -19,7 +19,7 @@ from prometheus_client import (
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-from hostpool.metrics import register_metrics
+from hostpool.metrics.collector import register_metrics
 from hostpool.net.listener import WSGIApp
 
 del GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR  # the global ones stay untouched

@@ -13,13 +13,13 @@ or ShareSocketInUseError, found without creating anything.
 
 from __future__ import annotations
 
-from hostpool.budget import Admission
+from hostpool.base.units import format_size
+from hostpool.core.budget import Admission
 from hostpool.errors import ConfigError, HostPoolError
 from hostpool.memory import cgroup, kernel
 from hostpool.memory.options import RegionOptions
 from hostpool.serve.config import PoolSpec, ServeConfig
 from hostpool.share.socketpath import SocketPath
-from hostpool.units import format_size
 
 
 def _hugetlb_size(spec: PoolSpec) -> int | None:

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from hostpool import events
-from hostpool.manager import HostPoolManager, LeakReport
-from hostpool.records import AllocationRecord
+from hostpool.base import events
+from hostpool.core.manager import HostPoolManager, LeakReport
+from hostpool.core.records import AllocationRecord
 from hostpool.serve.config import PoolSpec, ServeConfig
 
 # progress(pool, done_bytes, total_bytes)
@@ -26,7 +26,7 @@ class PoolService:
         self.host_budget: Any = None
         budget: Any = config.budget
         if config.host_budget is not None:
-            from hostpool.integrations.hostbudget import HostBudget
+            from hostpool.core.hostbudget import HostBudget
 
             budget = self.host_budget = HostBudget(config.host_budget, config.budget_dir)
         self.manager = HostPoolManager(budget=budget, track_stacks=track_stacks)

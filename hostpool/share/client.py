@@ -25,12 +25,12 @@ from typing import Any, TypeGuard
 
 import torch
 
-from hostpool.budget import Admission
+from hostpool.base.units import format_size
+from hostpool.core.budget import Admission
 from hostpool.errors import AllocationError, InvalidRequestError, ShareError
 from hostpool.memory import syscalls
 from hostpool.memory.region import tensor_over
 from hostpool.share import access, protocol
-from hostpool.units import format_size
 
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _PEERCRED = struct.Struct("3i")

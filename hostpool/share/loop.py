@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hostpool import events
+from hostpool.base import events
 from hostpool.errors import ConfigError
 from hostpool.net.guard import (
     FD_SHORTAGE,

@@ -18,10 +18,10 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from hostpool import events
+from hostpool.base import events
+from hostpool.core.ledger import Ledger, get_ledger
+from hostpool.core.manager import HostPoolManager
 from hostpool.errors import ShareError
-from hostpool.lifecycle import Ledger, get_ledger
-from hostpool.manager import HostPoolManager
 from hostpool.memory.region import Region
 from hostpool.net.guard import FD_SHORTAGE
 from hostpool.share import protocol

@@ -31,7 +31,7 @@ import socket
 import stat
 import tempfile
 
-from hostpool import events
+from hostpool.base import events
 from hostpool.errors import ConfigError, ShareError, ShareSocketInUseError
 from hostpool.share.access import fs_magic
 

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from hostpool.base.units import format_size
 from hostpool.errors import InvalidRequestError
 from hostpool.proc import names, procfs, procgroup
 from hostpool.proc.textsafe import printable
-from hostpool.units import format_size
 
 DEFAULT_PREFIXES: tuple[str, ...] = (names.HOSTPOOL_PREFIX,)
 
@@ -197,7 +197,7 @@ def _ledger_regions() -> dict[Any, str | None]:
     Written against the ledger's snapshot records (`name`, `device`, `inode`, `stack`),
     defensively: a leak report must never fail because of the ledger.
     """
-    lifecycle = sys.modules.get("hostpool.lifecycle")
+    lifecycle = sys.modules.get("hostpool.core.ledger")
     if lifecycle is None:
         return {}
     try:

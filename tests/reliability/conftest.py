@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hostpool.lifecycle import get_ledger
+from hostpool.core.ledger import get_ledger
 from tests import helpers
 
 SOAK = os.environ.get("HOSTPOOL_SOAK") == "1"

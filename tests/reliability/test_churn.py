@@ -18,7 +18,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from hostpool import HostPoolManager
-from hostpool.lifecycle import get_ledger
+from hostpool.core.ledger import get_ledger
 from hostpool.metrics import HostPoolCollector, register_metrics
 from tests import helpers, waiting
 from tests.reliability.conftest import SOAK, record_churn

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hostpool import AllocationError, HostPoolManager, ShmHostTensorAllocator
-from hostpool.lifecycle import get_ledger
+from hostpool.core.ledger import get_ledger
 from hostpool.memory import cuda
 from tests import helpers
 
@@ -30,7 +30,7 @@ def test_fd_limit_just_above_the_current_count() -> None:
         """
         import os, resource, torch
         from hostpool import ShmHostTensorAllocator, AllocationError
-        from hostpool.lifecycle import get_ledger
+        from hostpool.core.ledger import get_ledger
         from tests import helpers
         a = ShmHostTensorAllocator("nofile")
         a.allocate((4096,), torch.uint8)  # warm: imports and probes open no fds later
@@ -162,7 +162,7 @@ def test_out_of_fds_while_lending_one_is_an_error_not_a_release() -> None:
         """
         import errno, json, os, resource, torch
         from hostpool import AllocationError, ShmHostTensorAllocator, alloc_shm
-        from hostpool.lifecycle import get_ledger
+        from hostpool.core.ledger import get_ledger
         from tests import helpers
         a = ShmHostTensorAllocator("lend")
         t = a.allocate((4096,), torch.uint8)

@@ -47,8 +47,8 @@ def _bases() -> dict[str, str]:
 
 
 def main(mode: str) -> dict[str, Any]:
+    from hostpool.core.ledger import get_ledger
     from hostpool.integrations import sglang as integration
-    from hostpool.lifecycle import get_ledger
     from hostpool.metrics import measure
     from tests.sglang.cpu_import import load_sglang
     from tests.sglang.pools import buffers, mha

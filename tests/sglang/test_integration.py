@@ -19,8 +19,8 @@ import structlog
 import torch
 
 import hostpool
+from hostpool.core.ledger import get_ledger
 from hostpool.integrations import sglang as integration
-from hostpool.lifecycle import get_ledger
 from hostpool.metrics import measure
 from tests import helpers
 from tests.sglang import pools

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from hostpool.core.ledger import get_ledger
 from hostpool.integrations import sglang as integration
-from hostpool.lifecycle import get_ledger
 from tests import helpers
 from tests.sglang import pools
 from tests.sglang.cpu_import import load_sglang

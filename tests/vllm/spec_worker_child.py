@@ -22,7 +22,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from hostpool.lifecycle import get_ledger
+from hostpool.core.ledger import get_ledger
 
 PAGES = (4096, 2048)  # two KV tensors with different page sizes
 NUM_BLOCKS = 24

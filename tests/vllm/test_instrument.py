@@ -21,7 +21,7 @@ logging.getLogger("hostpool").setLevel(logging.DEBUG)
 from structlog.testing import capture_logs
 from prometheus_client import CollectorRegistry
 from hostpool.proc import procfs
-from hostpool.lifecycle import get_ledger
+from hostpool.core.ledger import get_ledger
 from hostpool.metrics import HostPoolCollector
 import hostpool.integrations.vllm as hv
 

@@ -10,7 +10,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from hostpool import events
+from hostpool.base import events
 from hostpool.integrations.importhook import PostImportHook, in_package
 from hostpool.integrations.sglang.labels import (
     current_pool,

@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any
 
-from hostpool import events
+from hostpool.base import events
 from hostpool.errors import ConfigError
 
 BAD_EXTRA_CONFIG = "hostpool.sglang.bad_extra_config"
@@ -41,7 +41,7 @@ def allocator_type_rule(
 
 def _extra_config(extra: Any, hostpool_forms: bool) -> tuple[dict[str, Any] | None, str | None]:
     """The extra config as a mapping, else (None, what is wrong with it)."""
-    from hostpool.config import load_file
+    from hostpool.base.config import load_file
 
     if hostpool_forms and isinstance(extra, dict):
         return extra, None

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from hostpool.allocators import MmapHostTensorAllocator, ShmHostTensorAllocator
+from hostpool.core.allocators import MmapHostTensorAllocator, ShmHostTensorAllocator
 from hostpool.errors import AllocationError
 from hostpool.memory.populate import failure_from_oserror
 

@@ -14,7 +14,7 @@ FOREIGN_KINDS = ("mooncake", "tensorcast", "mori")
 
 def allocator_classes(base: type) -> tuple[type, type]:
     """Subclasses of sglang's base allocator class (its isinstance checks keep working)."""
-    from hostpool import allocators
+    from hostpool.core import allocators
 
     class HostTensorAllocator(base):  # type: ignore[misc]
         """sglang's default host allocator on hostpool: anonymous memory, tracked."""
@@ -127,7 +127,7 @@ class ForeignOwner:
         self.id = -next(_foreign_ids)  # allocators count up from 1: no clash
 
     def record(self, tensor: Any, pool: str) -> Any:
-        from hostpool.lifecycle import get_ledger
+        from hostpool.core.ledger import get_ledger
         from hostpool.memory.foreign import adopt
 
         ledger = get_ledger()
@@ -146,7 +146,7 @@ class ForeignOwner:
         return view
 
     def close(self) -> None:
-        from hostpool.lifecycle import get_ledger
+        from hostpool.core.ledger import get_ledger
 
         ledger = get_ledger()
         for region in ledger.regions(owner=self.id):
@@ -173,6 +173,6 @@ def publish_metrics() -> None:
     """After each tracked allocation: this process's multiprocess publisher, when sglang
     runs prometheus_client in multiprocess mode (started once per process, forked children
     included). Never raises: publishing must not fail an allocation that succeeded."""
-    from hostpool.multiprocess import ensure_publisher
+    from hostpool.metrics.multiprocess import ensure_publisher
 
     ensure_publisher()

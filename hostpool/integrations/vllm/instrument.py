@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hostpool import events
+from hostpool.base import events
 from hostpool.integrations.importhook import PostImportHook
 from hostpool.memory.region import Region
 
@@ -304,7 +304,7 @@ def _region_cleanup(original: Callable[..., None]) -> Callable[..., None]:
             with _lock:
                 region = _regions.pop(self, None)
             if region is not None:
-                from hostpool.lifecycle import get_ledger
+                from hostpool.core.ledger import get_ledger
 
                 get_ledger().release(region.id)
 
@@ -312,8 +312,8 @@ def _region_cleanup(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def _record_region(source: Any, seconds: float, populate: _Populate) -> None:
-    from hostpool.lifecycle import get_ledger
-    from hostpool.records import capture_stack
+    from hostpool.core.ledger import get_ledger
+    from hostpool.core.records import capture_stack
 
     fd = source.fd
     mm = source.mmap_obj
@@ -423,7 +423,7 @@ def _worker_shutdown(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def _release_owner(owner: int) -> None:
-    from hostpool.lifecycle import get_ledger
+    from hostpool.core.ledger import get_ledger
 
     ledger = get_ledger()
     for region in ledger.regions(owner=owner):
@@ -464,9 +464,9 @@ def _zeros_mode_type() -> type:
 
 
 def _record_tensor(tensor: Any, owner: int) -> Any:
-    from hostpool.lifecycle import get_ledger
+    from hostpool.core.ledger import get_ledger
+    from hostpool.core.records import capture_stack
     from hostpool.memory.foreign import adopt
-    from hostpool.records import capture_stack
 
     ledger = get_ledger()
     region, view = adopt(tensor, POOL, ledger.unmapped_callback())

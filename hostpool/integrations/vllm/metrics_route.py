@@ -5,7 +5,7 @@ vLLM serves `/metrics` from the API-server process (its in-process registry, unl
 the offload memory lives in the `VLLM::Worker` process, two processes below it. The route:
 
 - Worker: after the region is made, a daemon thread writes the worker's ledger, measured
-  exactly as `HostPoolCollector` does (`hostpool.metrics.measure`), to
+  exactly as `HostPoolCollector` does (`hostpool.metrics.collector.measure`), to
   `<dir>/<pid>.json` every `PUBLISH_INTERVAL_S` seconds and at once on each region change
   (atomic replace). The file is removed when the worker's last region is released; files
   of processes that no longer exist (a SIGKILLed worker) are removed by the next worker
@@ -24,7 +24,7 @@ adds vLLM's `model_name`/`engine` labels, and it carries deltas, not gauges meas
 scrape. Why not prometheus_client's multiprocess directory? vLLM's single-API-server
 `/metrics` does not read one, and turning it on is a vLLM setting. When vLLM sets
 `PROMETHEUS_MULTIPROC_DIR` itself (several API servers), the worker publishes there
-instead (`hostpool.multiprocess.ensure_publisher()`), which vLLM's collector reads.
+instead (`hostpool.metrics.multiprocess.ensure_publisher()`), which vLLM's collector reads.
 
 `<dir>` is `kv_connector_extra_config["hostpool_metrics_dir"]`, else
 `$XDG_RUNTIME_DIR/hostpool-vllm` or `<tempdir>/hostpool-vllm-<uid>`; it must be a real
@@ -53,10 +53,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from hostpool.core.ledger import get_ledger
 from hostpool.errors import ConfigError
-from hostpool.lifecycle import get_ledger
-from hostpool.metrics import METRICS, measure
-from hostpool.multiprocess import current_publisher, ensure_publisher
+from hostpool.metrics.collector import METRICS, measure
+from hostpool.metrics.multiprocess import current_publisher, ensure_publisher
 
 PUBLISH_INTERVAL_S = 5.0
 # Host-wide or per-process values: a sum across workers would mean nothing.

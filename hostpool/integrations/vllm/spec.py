@@ -70,12 +70,12 @@ from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
+from hostpool.base.units import parse_size
+from hostpool.core.ledger import get_ledger
+from hostpool.core.manager import HostPoolManager
 from hostpool.errors import ConfigError
 from hostpool.integrations.vllm import metrics_route
-from hostpool.lifecycle import get_ledger
-from hostpool.manager import HostPoolManager
 from hostpool.memory.options import RegionOptions, validate_pool_name
-from hostpool.units import parse_size
 
 # Under vLLM's logger tree, so the lines appear in the server's log as vLLM's own do.
 logger = init_logger(f"vllm.{__name__}")

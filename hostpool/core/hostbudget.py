@@ -24,8 +24,8 @@ import threading
 import weakref
 from collections.abc import Iterator
 
+from hostpool.base.units import format_size, parse_size
 from hostpool.errors import AllocationError, InvalidRequestError
-from hostpool.units import format_size, parse_size
 
 LOCK_NAME = ".lock"
 SUFFIX = ".resv"

@@ -26,14 +26,14 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from hostpool import __version__
-from hostpool.budget import LIMITS, budget_view
+from hostpool._version import __version__
+from hostpool.base.locks import ForkSafeLock
+from hostpool.base.units import format_size
+from hostpool.core.budget import LIMITS, budget_view
+from hostpool.core.ledger import DURATION_BUCKETS, Ledger, get_ledger
 from hostpool.errors import FAILURE_REASONS
-from hostpool.lifecycle import DURATION_BUCKETS, Ledger, get_ledger
-from hostpool.locks import ForkSafeLock
 from hostpool.memory import kernel
 from hostpool.memory.hugepages import FALLBACK_REASONS
-from hostpool.units import format_size
 
 POPULATE_MODES = ("madvise", "map_populate", "touch", "none")
 RELEASE_HOWS = ("explicit", "tensor", "finalizer")
@@ -267,7 +267,7 @@ def measure(ledger: Ledger) -> dict[str, dict[tuple[str, ...], Any]]:
     return out
 
 
-# Failed multiprocess publishes of this process, by kind (hostpool.multiprocess counts them;
+# Failed multiprocess publishes of this process, by kind (hostpool.metrics.multiprocess counts them;
 # they live here so every exposition path shows them).
 _publish_errors: Counter[str] = Counter()
 _publish_errors_lock = ForkSafeLock()

@@ -11,12 +11,12 @@ import platform
 import resource
 from typing import Any
 
+from hostpool.base.units import format_size
 from hostpool.errors import AllocationError
 from hostpool.memory import cgroup, cuda, kernel, thp
 from hostpool.memory.create import _choose_populate
 from hostpool.memory.hugepages import plan_hugepages, thp_choice
 from hostpool.memory.options import RegionOptions
-from hostpool.units import format_size
 
 
 def _limit(value: int) -> int | None:

@@ -49,7 +49,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hostpool import events
+from hostpool.base import events
 from hostpool.errors import ConfigError
 from hostpool.proc import names, procfs, procgroup, scan
 from hostpool.proc.textsafe import printable

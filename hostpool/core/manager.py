@@ -7,15 +7,15 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from hostpool import events
-from hostpool.allocators import HostTensorAllocator, allocator_class
-from hostpool.budget import Admission, BudgetPolicy, BudgetView, as_policy, budget_view
+from hostpool.base import events
+from hostpool.base.locks import ForkSafeLock
+from hostpool.base.units import format_size
+from hostpool.core.allocators import HostTensorAllocator, allocator_class
+from hostpool.core.budget import Admission, BudgetPolicy, BudgetView, as_policy, budget_view
+from hostpool.core.ledger import Ledger, get_ledger
+from hostpool.core.records import AllocationRecord
 from hostpool.errors import InvalidRequestError
-from hostpool.lifecycle import Ledger, get_ledger
-from hostpool.locks import ForkSafeLock
 from hostpool.memory.options import validate_pool_name
-from hostpool.records import AllocationRecord
-from hostpool.units import format_size
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ class HostPoolManager:
 
     def register_metrics(self, registry: Any = None) -> Any:
         """Register hostpool's collector with `registry` (default: the global one)."""
-        from hostpool.metrics import register_metrics
+        from hostpool.metrics.collector import register_metrics
 
         return register_metrics(registry, ledger=self._ledger)
 

@@ -17,16 +17,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from hostpool import events
-from hostpool.budget import Admission, Reservation
+from hostpool.base import events
+from hostpool.base.locks import ForkSafeLock
+from hostpool.core.budget import Admission, Reservation
+from hostpool.core.ledger import Ledger, get_ledger
+from hostpool.core.records import capture_stack
 from hostpool.errors import AllocationError, ConfigError, HostPoolError, InvalidRequestError
-from hostpool.lifecycle import Ledger, get_ledger
-from hostpool.locks import ForkSafeLock
 from hostpool.memory.create import backend_of, create_region, plan_fallback
 from hostpool.memory.hugepages import HugepagePlan, Kind, plan_hugepages
 from hostpool.memory.options import RegionOptions, validate_pool_name
 from hostpool.memory.region import Region, tensor_over
-from hostpool.records import capture_stack
 
 # Anything past this is a typo or an overflow, not a KV cache (64 TiB).
 MAX_REQUEST_BYTES = 1 << 46

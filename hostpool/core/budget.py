@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from hostpool.base.locks import ForkSafeLock
+from hostpool.base.units import format_size
 from hostpool.errors import AllocationError, InvalidRequestError
-from hostpool.locks import ForkSafeLock
 from hostpool.memory import cgroup, kernel
 from hostpool.memory.populate import failure_from_oserror
-from hostpool.units import format_size
 
 # The `limit` label of hostpool_budget_bytes: every limit that can bind.
 LIMITS = ("configured", "memavailable", "cgroup", "host", "hugetlb")

@@ -30,10 +30,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from hostpool import events
-from hostpool.locks import ForkSafeLock
+from hostpool.base import events
+from hostpool.base.locks import ForkSafeLock
+from hostpool.core.records import AllocationRecord, record_of
 from hostpool.memory.region import Region
-from hostpool.records import AllocationRecord, record_of
 
 # Births and deaths queued before the hot path settles them itself.
 _SETTLE_EVERY = 256
