@@ -62,9 +62,11 @@ test-fast: $(STAMP) sglang-libs
 	$(PY) -m pytest -x -q -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check hostpool tests bench dashboards
-	$(VENV)/bin/ruff format --check hostpool tests bench dashboards
+	$(VENV)/bin/ruff check hostpool tests bench dashboards tools
+	$(VENV)/bin/ruff format --check hostpool tests bench dashboards tools
 	$(VENV)/bin/mypy
+	# No module uses another's private names (ruff's PLC2701 skips imports within a package).
+	$(PY) tools/check_private_names.py hostpool
 
 # The other page states compare the targets' variants only (restated peers: warm table).
 POPULATE_STATES = hostpool_shm,hostpool_shm_2mb,hostpool_mmap,sglang_alloc_shm,sglang_alloc_mmap_2mb,sglang_alloc_mmap_parallel,torch_empty_zero,bare_hugetlb_madvise,bare_shm_populate,bare_anon_populate

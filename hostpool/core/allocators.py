@@ -190,6 +190,11 @@ class HostTensorAllocator:
 
     # -- facts -----------------------------------------------------------------------
     @property
+    def owner_id(self) -> int:
+        """The ledger's owner id of this allocator's regions (unique in the process)."""
+        return self._id
+
+    @property
     def regions(self) -> list[Region]:
         return self._ledger.regions(owner=self._id)
 

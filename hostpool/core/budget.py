@@ -102,9 +102,7 @@ class Reservation:
     def commit(self, record: Callable[[], None]) -> None:
         """Run `record` (which makes the bytes held) and drop the reservation, atomically:
         no admission sees the bytes both held and in flight, or neither."""
-        with self._admission._lock:
-            record()
-            self._admission._unreserve(self)
+        self._admission.commit(self, record)
 
 
 class Admission:
@@ -162,6 +160,13 @@ class Admission:
                 # A policy spanning processes (the host-wide budget) shrinks its
                 # reservation to what is held now: a failed allocation keeps nothing.
                 settle(self._held_bytes() + self._inflight)
+
+    def commit(self, reservation: Reservation, record: Callable[[], None]) -> None:
+        """Run `record` and release `reservation` under this admission's lock (see
+        `Reservation.commit`)."""
+        with self._lock:
+            record()
+            self._unreserve(reservation)
 
     def _unreserve(self, reservation: Reservation) -> None:
         if reservation.committed:

@@ -14,7 +14,7 @@ from typing import Any
 from hostpool.base.units import format_size
 from hostpool.errors import AllocationError
 from hostpool.memory import cgroup, cuda, kernel, thp
-from hostpool.memory.create import _choose_populate
+from hostpool.memory.create import choose_populate
 from hostpool.memory.hugepages import plan_hugepages, thp_choice
 from hostpool.memory.options import RegionOptions
 
@@ -112,7 +112,7 @@ def plan(hugepages: str, hugepage_size: object, need: int) -> dict[str, Any]:
         "hugepage_size": options.hugepage_size,
         "need_bytes": need,
         "backend": backend,
-        "populate": _choose_populate("auto", fd_backed=True),
+        "populate": choose_populate("auto", fd_backed=True),
         "thp_choice": thp_choices(need),
     }
     problems: list[str] = []

@@ -98,7 +98,7 @@ class HostPoolManager:
                 **options,
             )
             self._allocators[pool] = created
-            self._owners.append(created._id)
+            self._owners.append(created.owner_id)
             return created
 
     def allocator_for(self, pool: str) -> HostTensorAllocator | None:
@@ -164,7 +164,7 @@ class HostPoolManager:
         settle = getattr(self._admission.policy, "settle", None)
         if settle is not None:
             settle(self._held_bytes())  # give the host-wide share back
-        owners = {a._id for a in allocators}
+        owners = {a.owner_id for a in allocators}
         leaks = tuple(
             r for r in self._ledger.snapshot(owners=owners) if r.state == "released_mapped"
         )

@@ -12,7 +12,6 @@ import errno
 import mmap
 import os
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -20,15 +19,7 @@ from hostpool.errors import AllocationError, HugepageUnavailableError
 from hostpool.memory import cuda, kernel, populate, shm, syscalls
 from hostpool.memory.hugepages import HugepagePlan, plan_hugepages, required_message
 from hostpool.memory.options import RegionOptions
-from hostpool.memory.region import (
-    Kind,
-    Region,
-    RegionMapping,
-    _holder_type,
-    _mapping_gone,
-    _next_region_id,
-    _views_gone,
-)
+from hostpool.memory.region import Kind, Region, RegionMapping, holder_type, new_region
 
 
 def _pin(
@@ -124,7 +115,7 @@ def _populate(
     return "madvise"
 
 
-def _choose_populate(requested: str, fd_backed: bool) -> str:
+def choose_populate(requested: str, fd_backed: bool) -> str:
     """`auto` -> madvise where the kernel has MADV_POPULATE_WRITE, else the fallback."""
     if requested != "auto":
         if requested == "madvise" and not kernel.probe_madv_populate_write():
@@ -222,7 +213,7 @@ def _create(
     if kind == "torch":
         return _create_torch(b, nbytes, pool, options, plan, on_unmapped)
 
-    populate_mode = _choose_populate(options.populate, fd_backed=kind == "shm")
+    populate_mode = choose_populate(options.populate, fd_backed=kind == "shm")
     mapped = _round_up(nbytes, page_size)
     map_flags = mmap.MAP_SHARED if kind == "shm" else mmap.MAP_PRIVATE
     if populate_mode == "map_populate":
@@ -255,8 +246,7 @@ def _create(
             )
         b.mm = _map(-1, mapped, flags, plan, options)
 
-    holder_type = _holder_type(mapped)
-    b.holder = holder_type.from_buffer(b.mm)
+    b.holder = holder_type(mapped).from_buffer(b.mm)
     address = ctypes.addressof(b.holder)
     if kind == "mmap":
         name = f"{options.name_prefix}{pool}.{os.getpid()}"
@@ -274,9 +264,12 @@ def _create(
     if options.pin:
         b.chunks = _pin(address, mapped, options, page_size)
 
-    fd_box = [b.fd] if b.fd is not None else []
-    region = Region(
-        id=_next_region_id(),
+    region = new_region(
+        b.holder,
+        on_unmapped,
+        mapping=b.mm,
+        fd=b.fd,
+        pinned_chunks=b.chunks,
         pool=pool,
         kind=kind,
         backend=backend,
@@ -292,19 +285,7 @@ def _create(
         seals=seals,
         numa_node=options.numa_node,
         dev_ino=dev_ino,
-        pinned_chunks=b.chunks,
-        _fd_box=fd_box,
-        _mm_ref=weakref.ref(b.mm),
-        _holder_ref=weakref.ref(b.holder),
     )
-    on_views_gone = weakref.finalize(b.holder, _views_gone, b.chunks, None, region.id)
-    on_gone = weakref.finalize(
-        b.mm, _mapping_gone, fd_box, on_unmapped, region.id, "finalizer", dev_ino
-    )
-    b.mm._on_close = (fd_box, on_unmapped, region.id, dev_ino)
-    for fin in (on_views_gone, on_gone):
-        fin.atexit = False
-    region._finalizers = [on_views_gone, on_gone]
     holder = b.holder
     # Ownership passes to the holder: drop the builder's strong references.
     b.fd = None
@@ -348,7 +329,7 @@ def _create_torch(
     mapped = max(nbytes, 1)
     b.torch_tensor = torch.empty(mapped, dtype=torch.uint8)
     address = int(b.torch_tensor.data_ptr())
-    holder = _holder_type(mapped).from_address(address)
+    holder = holder_type(mapped).from_address(address)
     holder._owner = b.torch_tensor  # type: ignore[attr-defined]  # keeps torch's storage alive
     b.holder = holder
     t_pop = time.perf_counter()
@@ -362,8 +343,10 @@ def _create_torch(
     populate_seconds = time.perf_counter() - t_pop
     if options.pin:
         b.chunks = _pin(address, mapped, options, syscalls.PAGE_SIZE)
-    region = Region(
-        id=_next_region_id(),
+    region = new_region(
+        holder,
+        on_unmapped,
+        pinned_chunks=b.chunks,
         pool=pool,
         kind="torch",
         backend="torch",
@@ -379,12 +362,7 @@ def _create_torch(
         seals=0,
         numa_node=None,
         dev_ino=None,
-        pinned_chunks=b.chunks,
-        _holder_ref=weakref.ref(holder),
     )
-    fin = weakref.finalize(holder, _views_gone, b.chunks, on_unmapped, region.id)
-    fin.atexit = False
-    region._finalizers = [fin]
     b.torch_tensor = None
     b.holder = None
     b.chunks = []

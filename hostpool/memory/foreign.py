@@ -7,12 +7,11 @@ over the holder, so the region dies with the last view like any torch-backed reg
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 from hostpool.memory import syscalls
-from hostpool.memory.region import Region, _holder_type, _next_region_id, _views_gone, tensor_over
+from hostpool.memory.region import Region, holder_type, new_region, tensor_over
 
 FOREIGN_BACKEND = "foreign"
 
@@ -23,10 +22,11 @@ def adopt(tensor: Any, pool: str, on_unmapped: Callable[..., None] | None) -> tu
         tensor = tensor.contiguous()  # what a copy costs beats an untracked strided view
     nbytes = max(tensor.numel() * tensor.element_size(), 1)
     address = int(tensor.data_ptr())
-    holder = _holder_type(nbytes).from_address(address)
+    holder = holder_type(nbytes).from_address(address)
     holder._owner = tensor  # type: ignore[attr-defined]  # the foreign allocator's memory lives as long as our views
-    region = Region(
-        id=_next_region_id(),
+    region = new_region(
+        holder,
+        on_unmapped,
         pool=pool,
         kind="torch",
         backend=FOREIGN_BACKEND,
@@ -42,10 +42,6 @@ def adopt(tensor: Any, pool: str, on_unmapped: Callable[..., None] | None) -> tu
         seals=0,
         numa_node=None,
         dev_ino=None,
-        _holder_ref=weakref.ref(holder),
     )
-    fin = weakref.finalize(holder, _views_gone, [], on_unmapped, region.id)
-    fin.atexit = False
-    region._finalizers = [fin]
     view = tensor_over(holder, tuple(tensor.shape), tensor.dtype) if tensor.numel() else tensor
     return region, view

@@ -56,6 +56,53 @@ def _next_region_id() -> int:
         return next(_region_ids)
 
 
+def new_region(
+    holder: Any,
+    on_unmapped: Callable[..., None] | None,
+    *,
+    mapping: RegionMapping | None = None,
+    fd: int | None = None,
+    pinned_chunks: list[tuple[int, int]] | None = None,
+    **facts: Any,
+) -> Region:
+    """The Region over `holder` (the object tensors are built over), with a fresh id and
+    its finalizers; the one way regions are made.
+
+    `mapping`: the RegionMapping the holder was made from (`from_buffer`), whose end
+    closes `fd` (the region's own, now owned by the Region) and reports the region gone;
+    without one, the holder's end reports it gone. `pinned_chunks`: the ranges registered
+    with CUDA, unregistered when the last view dies (the list is the Region's from now
+    on). `facts`: the remaining Region fields (pool, kind, backend, bytes, populate...).
+    `on_unmapped` is the ledger's callback (see the module doc), or None.
+    """
+    chunks = pinned_chunks if pinned_chunks is not None else []
+    fd_box = [fd] if fd is not None else []
+    region = Region(
+        id=_next_region_id(),
+        pinned_chunks=chunks,
+        _fd_box=fd_box,
+        _mm_ref=weakref.ref(mapping) if mapping is not None else None,
+        _holder_ref=weakref.ref(holder),
+        **facts,
+    )
+    finalizers: list[weakref.finalize[Any, Any]]
+    if mapping is None:
+        finalizers = [weakref.finalize(holder, _views_gone, chunks, on_unmapped, region.id)]
+    else:
+        dev_ino = region.dev_ino
+        finalizers = [
+            weakref.finalize(holder, _views_gone, chunks, None, region.id),
+            weakref.finalize(
+                mapping, _mapping_gone, fd_box, on_unmapped, region.id, "finalizer", dev_ino
+            ),
+        ]
+        mapping._on_close = (fd_box, on_unmapped, region.id, dev_ino)
+    for finalizer in finalizers:
+        finalizer.atexit = False
+    region._finalizers = finalizers
+    return region
+
+
 class RegionMapping(mmap.mmap):
     """An mmap whose `close()` is an explicit release that never unmaps under a live view.
 
@@ -91,8 +138,10 @@ class RegionMapping(mmap.mmap):
 
 
 @functools.lru_cache(maxsize=512)
-def _holder_type(nbytes: int) -> type[ctypes.Array[ctypes.c_ubyte]]:
-    # A subclass carries a __dict__, so a torch-backed holder can keep its tensor alive.
+def holder_type(nbytes: int) -> type[ctypes.Array[ctypes.c_ubyte]]:
+    """The ctypes array type of a region's holder of `nbytes` bytes. It carries a
+    `__dict__`, so a holder over memory torch or another allocator owns can keep that
+    memory's owner alive (`holder._owner = tensor`)."""
     return type("RegionBuffer", (ctypes.c_ubyte * nbytes,), {})
 
 

@@ -134,7 +134,7 @@ class PoolShareServer:
             return []
         return [
             (e.region, e)
-            for e in self.ledger.entries(owner=allocator._id)
+            for e in self.ledger.entries(owner=allocator.owner_id)
             if e.state == "live" and e.region.kind == "shm"
         ]
 
