@@ -11,6 +11,7 @@ for what it needs (the server's log, its sockets in /proc), never for a time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -233,7 +234,10 @@ def test_a_lone_half_open_request_meets_its_deadline(tmp_path: Path) -> None:
             while not select.select([s], [], [], 1.0)[0]:
                 assert time.monotonic() - started < waiting.DEADLINE, "never closed"
                 s.sendall(b"X-Trickle: 1\r\n")
-            assert s.recv(1024) == b""  # closed by the server, no response
+            # Closed by the server, no response: a FIN, or a RST when trickle lines the
+            # server never read were still in its receive buffer as it closed.
+            with contextlib.suppress(ConnectionResetError):
+                assert s.recv(1024) == b""
             waited = time.monotonic() - started
     assert waited >= REQUEST_TIMEOUT, waited  # not before its deadline
     assert "request_timeout" in err.read_text()
