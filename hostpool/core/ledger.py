@@ -392,20 +392,14 @@ class Ledger:
                 return sum(self._owner_bytes.values())
             return sum(self._owner_bytes.get(o, 0) for o in owners)
 
-    def peers(self, region_id: int) -> int:
-        return self._peers.get(region_id, 0)
-
     # -- reading ---------------------------------------------------------------------
-    def entries(self, *, owner: int | None = None, pool: str | None = None) -> list[_Entry]:
-        if owner is None and pool is None:
-            with self._locked():
-                return list(self._entries.values())
+    def entries(self, *, owner: int | None = None) -> list[_Entry]:
+        """The records of live, released-still-mapped and released-shared regions (of one
+        owner, or all), oldest first."""
         with self._locked():
-            return [
-                e
-                for e in self._entries.values()
-                if (owner is None or e.owner == owner) and (pool is None or e.region.pool == pool)
-            ]
+            if owner is None:
+                return list(self._entries.values())
+            return [e for e in self._entries.values() if e.owner == owner]
 
     def regions(self, *, owner: int | None = None, state: str | None = "live") -> list[Region]:
         return [e.region for e in self.entries(owner=owner) if state is None or e.state == state]

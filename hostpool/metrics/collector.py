@@ -127,11 +127,6 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
 }
 
 
-def exposed_name(name: str) -> str:
-    """The name as exposed (counters gain `_total`)."""
-    return name + "_total" if METRICS[name][0] == "counter" else name
-
-
 def _family(name: str) -> Any:
     kind, labels, doc = METRICS[name]
     if kind == "counter":
