@@ -3,8 +3,10 @@ subcommand."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +59,70 @@ def test_top_level_help_names_every_subcommand() -> None:
     for name in SUBCOMMANDS:
         assert name in first, f"the description omits {name}"
         assert f"\n    {name} " in text, f"the command list omits {name}"
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "HOSTPOOL_INSTRUMENT"}
+    return subprocess.run(
+        [sys.executable, "-m", "hostpool", "run", *argv],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )  # fmt: skip
+
+
+SHOW = "import os; print(os.environ['HOSTPOOL_INSTRUMENT'])"
+
+
+@pytest.mark.parametrize(
+    ("only", "names"),
+    [([], "sglang,vllm"), (["--only", "VLLM"], "vllm"), (["--only", "sglang,vllm"], "sglang,vllm")],
+)
+def test_run_activates_every_integration_unless_only(only: list[str], names: str) -> None:
+    out = _run(*only, "--", sys.executable, "-c", SHOW)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == names
+
+
+def test_run_refuses_an_unknown_only_name_in_one_line() -> None:
+    out = _run("--only", "sglang,vlm", "--", sys.executable, "-c", SHOW)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "vlm" in out.stderr and "sglang, vllm" in out.stderr
+
+
+def _bare_python(tmp_path: Path) -> Path:
+    """A real venv without hostpool: an interpreter that lacks the hook."""
+    venv = tmp_path / "bare"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
+    return venv / "bin" / "python"
+
+
+def test_run_refuses_an_interpreter_without_the_hook_and_says_how_to_fix_it(
+    tmp_path: Path,
+) -> None:
+    python = _bare_python(tmp_path)
+    out = _run("--", str(python), "-c", SHOW)
+    assert out.returncode == 2 and out.stdout == ""
+    line = out.stderr.strip()
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert str(python) in line and "hostpool-instrument.pth" in line and "pip install" in line
+
+
+def test_run_checks_the_interpreter_a_script_names_on_its_first_line(tmp_path: Path) -> None:
+    python = _bare_python(tmp_path)
+    script = tmp_path / "server"
+    script.write_text(f"#!{python}\nprint('served')\n")
+    script.chmod(0o755)
+    assert _run("--", str(script)).returncode == 2
+    good = tmp_path / "good"
+    good.write_text(f"#!/usr/bin/env {sys.executable}\n{SHOW}\n")
+    good.chmod(0o755)
+    out = _run("--", str(good))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "sglang,vllm"
+
+
+def test_run_runs_a_command_that_is_not_python_as_given() -> None:
+    out = _run("--", "sh", "-c", 'echo "$HOSTPOOL_INSTRUMENT"; exit 7')
+    assert out.returncode == 7
+    assert out.stdout.strip() == "sglang,vllm"

@@ -1,49 +1,139 @@
-"""`hostpool run -- CMD...`: run CMD with hostpool's sglang integration active in every
-Python process it starts (spawned workers included), through HOSTPOOL_INSTRUMENT and the
-`.pth` hook the hostpool wheel installs in that interpreter's site-packages.
+"""`hostpool run [--only NAME,...] -- CMD...`: run CMD with hostpool's server integrations
+(all of them unless `--only`) active in every Python process it starts (spawned workers
+included), through HOSTPOOL_INSTRUMENT and the `.pth` hook the hostpool wheel installs in
+an interpreter's site-packages.
+
+When CMD is a Python interpreter, or a script whose `#!` line names one, that interpreter
+must have the hook: otherwise nothing would be instrumented and nothing would say so, so
+`run` refuses with one line saying how to fix it. Other commands (a shell script that
+starts Python, say) are run as given.
 
 CMD replaces this process (exec), so the exit status is CMD's own. When CMD cannot be
-started: 2 if none or an empty one is given, or it is not found or not executable, 1 for
-any other failure; one line on stderr each."""
+started: 2 if none or an empty one is given, an `--only` name is unknown, CMD is not found
+or not executable, or its interpreter lacks the hook; 1 for any other failure; one line on
+stderr each."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import subprocess
 import sys
 from typing import Any
 
-from hostpool.integrations import ENV
+from hostpool.integrations import ENV, KNOWN, requested
+
+HOOK_FILE = "hostpool-instrument.pth"
+# Asked of the target interpreter: is the hook in one of its site directories?
+_HAS_HOOK = (
+    "import os, site, sys; "
+    "dirs = site.getsitepackages() + [site.getusersitepackages()]; "
+    f"sys.exit(0 if any(os.path.isfile(os.path.join(d, {HOOK_FILE!r})) for d in dirs) else 3)"
+)
+
+
+class RunError(Exception):
+    """CMD cannot be run as asked; `code` is the exit status."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "run",
-        help="run a command with the sglang integration active (HOSTPOOL_INSTRUMENT=sglang)",
+        help="run a command with the server integrations active (HOSTPOOL_INSTRUMENT)",
         description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--only",
+        metavar="NAME,...",
+        help=f"only these integrations (known: {', '.join(KNOWN)}; default: all)",
     )
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...")
     p.set_defaults(run=run)
 
 
-def instrumented_env(environ: dict[str, str]) -> dict[str, str]:
-    """`environ` with sglang added to HOSTPOOL_INSTRUMENT (other entries kept)."""
-    wanted = [w for w in environ.get(ENV, "").split(",") if w.strip()]
-    if "sglang" not in (w.strip() for w in wanted):
-        wanted.append("sglang")
+def instrumented_env(environ: dict[str, str], names: list[str]) -> dict[str, str]:
+    """`environ` with `names` added to HOSTPOOL_INSTRUMENT (its other entries kept)."""
+    wanted = [w.strip() for w in environ.get(ENV, "").split(",") if w.strip()]
+    have = {w.lower() for w in wanted}
+    wanted += [name for name in names if name not in have]
     return {**environ, ENV: ",".join(wanted)}
+
+
+def interpreter_of(program: str) -> str | None:
+    """The Python interpreter that will run `program` (a path), or None if it is not
+    Python: the program itself when its name starts with `python`, else its `#!` line's."""
+    if os.path.basename(program).startswith("python"):
+        return program
+    try:
+        with open(program, "rb") as f:
+            first = f.readline(256)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].decode(errors="replace").split()
+    if words and os.path.basename(words[0]) == "env":
+        words = [w for w in words[1:] if not w.startswith("-")]
+    if not words or not os.path.basename(words[0]).startswith("python"):
+        return None
+    return shutil.which(words[0]) or words[0]
+
+
+def check_hook(interpreter: str) -> None:
+    """Raise RunError unless `interpreter` has hostpool's `.pth` hook."""
+    try:
+        probe = subprocess.run(
+            [interpreter, "-I", "-c", _HAS_HOOK], capture_output=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RunError(f"cannot ask {interpreter} for its site-packages: {exc}", 1) from exc
+    if probe.returncode == 3:
+        raise RunError(
+            f"{interpreter} has no hostpool hook ({HOOK_FILE} is not in its site-packages), "
+            f"so nothing would be instrumented: install hostpool into it "
+            f"({interpreter} -m pip install hostpool) or run CMD with the Python that has it"
+        )
+    if probe.returncode != 0:
+        raise RunError(f"cannot ask {interpreter} for its site-packages", 1)
+
+
+def _names(only: str | None) -> list[str]:
+    if only is None:
+        return list(KNOWN)
+    known, unknown = requested(only)
+    if unknown or not known:
+        raise RunError(
+            f"--only names unknown integration(s) {', '.join(unknown) or '(none)'}; "
+            f"known: {', '.join(KNOWN)}"
+        )
+    return known
 
 
 def run(args: argparse.Namespace) -> int:
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    if not cmd or not cmd[0]:
-        # execve refuses an empty program name with a ValueError, not an OSError
-        print("hostpool run: no command given (hostpool run -- CMD ...)", file=sys.stderr)
-        return 2
     try:
-        os.execvpe(cmd[0], cmd, instrumented_env(dict(os.environ)))
+        names = _names(args.only)
+        if not cmd or not cmd[0]:
+            # execve refuses an empty program name with a ValueError, not an OSError
+            raise RunError("no command given (hostpool run -- CMD ...)")
+        program = shutil.which(cmd[0])
+        if program is None:
+            raise RunError(f"cannot run {cmd[0]!r}: not found or not executable")
+        interpreter = interpreter_of(program)
+        if interpreter is not None:
+            check_hook(interpreter)
+        os.execvpe(program, cmd, instrumented_env(dict(os.environ), names))
+    except RunError as exc:
+        print(f"hostpool run: {exc}", file=sys.stderr)
+        return exc.code
     except OSError as exc:  # only returns on failure
         print(f"hostpool run: cannot run {cmd[0]!r}: {exc.strerror}", file=sys.stderr)
         return 2 if isinstance(exc, FileNotFoundError | PermissionError) else 1

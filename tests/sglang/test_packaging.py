@@ -82,7 +82,7 @@ def test_hostpool_run_activates_the_integration_in_the_command() -> None:
         capture_output=True, text=True, timeout=120, env=env, cwd="/",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "sglang True"
+    assert out.stdout.strip() == "sglang,vllm True"
 
 
 @pytest.mark.parametrize(
