@@ -23,19 +23,55 @@ FAILURE_REASONS = ("budget", "hugepages", "no_memory", "no_space", "fd_limit", "
 class AllocationError(HostPoolError, MemoryError):
     """A well-formed request the host could not satisfy now (memory, fds, budget, tmpfs).
 
-    `reason` is one of FAILURE_REASONS.
+    The message says what happened and what to do; the figures are attributes too:
+    - `reason`: one of FAILURE_REASONS (an unknown value is stored as "other");
+    - `pool`: the pool the request was for (None when not known where it was raised);
+    - `need_bytes`: bytes the request needed;
+    - `available_bytes`: bytes the refusing limit had left for it (may be 0);
+    - `limit_bytes`: the limit that refused it (a budget, a cgroup limit), when one did.
+    Each figure is None where the failure has none (an fd limit has no bytes available).
     """
 
-    def __init__(self, message: str, *, reason: str = "other") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str = "other",
+        pool: str | None = None,
+        need_bytes: int | None = None,
+        available_bytes: int | None = None,
+        limit_bytes: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.reason = reason if reason in FAILURE_REASONS else "other"
+        self.pool = pool
+        self.need_bytes = need_bytes
+        self.available_bytes = available_bytes
+        self.limit_bytes = limit_bytes
 
 
 class HugepageUnavailableError(AllocationError):
-    """`hugepages="required"` and the hugepage pool cannot hold the request."""
+    """`hugepages="required"` and the hugepage pool cannot hold the request; the figures
+    as for AllocationError (`available_bytes`: free hugepages of the size, in bytes)."""
 
-    def __init__(self, message: str, *, reason: str = "hugepages") -> None:
-        super().__init__(message, reason=reason)
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str = "hugepages",
+        pool: str | None = None,
+        need_bytes: int | None = None,
+        available_bytes: int | None = None,
+        limit_bytes: int | None = None,
+    ) -> None:
+        super().__init__(
+            message,
+            reason=reason,
+            pool=pool,
+            need_bytes=need_bytes,
+            available_bytes=available_bytes,
+            limit_bytes=limit_bytes,
+        )
 
 
 class Cancelled(BaseException):

@@ -382,3 +382,35 @@ def test_a_full_tmpfs_under_populate_auto_is_no_space(root: None, tmp_path: Path
         assert os.listdir(mnt) == []
     finally:
         os.system(f"umount {mnt}")
+
+
+def test_a_refusal_carries_its_figures() -> None:
+    """need, available and limit as attributes (as psutil's errors carry pid and name), the
+    pool filled in by the allocator; the message still says the same."""
+    with HostPoolManager(budget=8 * MiB) as manager:
+        alloc = manager.allocator("figures", "mmap")
+        kept = alloc.allocate((3 * MiB,), torch.uint8)
+        with pytest.raises(AllocationError) as caught:
+            alloc.allocate((6 * MiB,), torch.uint8)
+        del kept
+    error = caught.value
+    assert (error.reason, error.pool) == ("budget", "figures")
+    assert (error.need_bytes, error.limit_bytes) == (6 * MiB, 8 * MiB)
+    assert error.available_bytes == 8 * MiB - 3 * MiB
+    assert f"need {6 * MiB} bytes" in str(error)
+
+
+def test_an_oserror_becomes_a_typed_failure_with_its_figures() -> None:
+    import errno
+
+    from hostpool.memory.failures import failure_from_oserror
+
+    space = failure_from_oserror(OSError(errno.ENOSPC, "full"), "sizing", 5 * MiB)
+    assert (space.reason, space.need_bytes, space.available_bytes) == ("no_space", 5 * MiB, None)
+    memory = failure_from_oserror(OSError(errno.ENOMEM, "short"), "populating", MiB)
+    assert memory.reason == "no_memory" and memory.need_bytes == MiB
+    assert memory.available_bytes is not None and f"MemAvailable {memory.available_bytes}" in str(
+        memory
+    )
+    fds = failure_from_oserror(OSError(errno.EMFILE, "fds"), "dup", MiB)
+    assert (fds.reason, fds.limit_bytes) == ("fd_limit", None)

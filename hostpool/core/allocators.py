@@ -237,6 +237,8 @@ class HostTensorAllocator:
                 plan = plan_fallback(self.kind, nbytes, self.options)
                 region, holder, seconds = self._create_admitted(nbytes, plan, started, shape, dtype)
         except HostPoolError as exc:
+            if isinstance(exc, AllocationError) and exc.pool is None:
+                exc.pool = self.pool  # the layers below do not know the pool
             self.count_failure(exc, started)
             raise
         tensor = tensor_over(holder, shape, dtype)

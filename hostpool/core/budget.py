@@ -25,7 +25,7 @@ from hostpool.base.locks import ForkSafeLock
 from hostpool.base.units import format_size
 from hostpool.errors import AllocationError, InvalidRequestError
 from hostpool.memory import cgroup, kernel
-from hostpool.memory.populate import failure_from_oserror
+from hostpool.memory.failures import failure_from_oserror
 
 # The `limit` label of hostpool_budget_bytes: every limit that can bind.
 LIMITS = ("configured", "memavailable", "cgroup", "host", "hugetlb")
@@ -58,6 +58,9 @@ class FixedBudget:
                 f"budget refused: need {_b(need)} with {_b(held)} already held, budget "
                 f"{_b(self.limit)} (explicit budget)",
                 reason="budget",
+                need_bytes=need,
+                available_bytes=max(0, self.limit - held),
+                limit_bytes=self.limit,
             )
 
     def reserved_bytes(self) -> int:
@@ -193,6 +196,8 @@ class Admission:
                 + (f" minus {_b(inflight)} being allocated" if inflight else "")
                 + ")",
                 reason=self.kernel_reason,
+                need_bytes=need,
+                available_bytes=max(0, available),
             )
         limit = cgroup.memory_limit()
         if limit is not None and need > limit.free - inflight:
@@ -201,6 +206,9 @@ class Admission:
                 f"{self._refused()}: need {_b(need)}, cgroup allows {_b(room)}"
                 f" more (limit {_b(limit.limit)} minus usage {_b(limit.usage)}, {limit.source})",
                 reason=self.kernel_reason,
+                need_bytes=need,
+                available_bytes=room,
+                limit_bytes=limit.limit,
             )
 
     def _refused(self) -> str:
@@ -220,6 +228,8 @@ class Admission:
                 + f"); reserve more in /sys/kernel/mm/hugepages/hugepages-{size // 1024}kB/"
                 "nr_hugepages",
                 reason="hugepages",
+                need_bytes=need,
+                available_bytes=max(0, free),
             )
         limit = cgroup.hugetlb_limit(_hugetlb_label(size))
         if limit is not None and need > limit.free - inflight:
@@ -228,6 +238,9 @@ class Admission:
                 f"hugetlb cgroup allows {_b(max(0, limit.free - inflight))} "
                 f"(limit {_b(limit.limit)}, {limit.source})",
                 reason="hugepages",
+                need_bytes=need,
+                available_bytes=max(0, limit.free - inflight),
+                limit_bytes=limit.limit,
             )
 
     def limit_bytes(self) -> int | None:

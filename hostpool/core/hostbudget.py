@@ -99,6 +99,9 @@ class HostBudget:
                     f"{_b(others)}; host budget {_b(self.limit)} (shared through "
                     f"{self.directory})",
                     reason="budget",
+                    need_bytes=need,
+                    available_bytes=max(0, self.limit - others - held),
+                    limit_bytes=self.limit,
                 )
             self._write(state, held + need)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hostpool.errors import AllocationError, HugepageUnavailableError
-from hostpool.memory import cuda, kernel, populate, shm, syscalls
+from hostpool.memory import cuda, failures, kernel, populate, shm, syscalls
 from hostpool.memory.hugepages import HugepagePlan, plan_hugepages, required_message
 from hostpool.memory.options import RegionOptions
 from hostpool.memory.region import Kind, Region, RegionMapping, holder_type, new_region
@@ -167,7 +167,7 @@ def create_region(
                 reason="no_space",
             ) from exc
         if isinstance(exc, OSError):
-            raise populate.failure_from_oserror(exc, f"allocating {nbytes} bytes", nbytes) from exc
+            raise failures.failure_from_oserror(exc, f"allocating {nbytes} bytes", nbytes) from exc
         raise
 
 

@@ -91,7 +91,11 @@ def plan_hugepages(
         return HugepagePlan(size, False, ())
     if options.hugepages == "required":
         if reason == "hugetlb_pool_short" or (reason == "hugetlb_unsupported" and kind != "torch"):
-            raise HugepageUnavailableError(required_message(size, need, pool))
+            raise HugepageUnavailableError(
+                required_message(size, need, pool),
+                need_bytes=need * size,
+                available_bytes=pool.available * size if pool is not None else 0,
+            )
         raise HugepageUnavailableError(
             f"hugepages='required' cannot be met by the {kind} allocator on {backend}: "
             f"{reason}; use the shm or mmap allocator with memfd"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
-import errno
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 
 from hostpool.base.units import page_spans
 from hostpool.errors import AllocationError, Cancelled
-from hostpool.memory import kernel, syscalls
+from hostpool.memory import syscalls
 
 # Below this a single madvise is cheaper than starting threads.
 PARALLEL_THRESHOLD = 256 << 20
@@ -72,31 +71,6 @@ def _populate_span(
         raise
     if watch is not None and watch.on_bytes is not None:
         watch.on_bytes(n)
-
-
-def failure_from_oserror(exc: OSError, what: str, nbytes: int) -> AllocationError:
-    """An AllocationError with a reason from the fixed set and a message saying what to do."""
-    code = exc.errno
-    if code == errno.ENOSPC:
-        return AllocationError(
-            f"{what}: no space for {nbytes} bytes on the backing tmpfs (ENOSPC); "
-            "enlarge it (e.g. docker --shm-size) or use the memfd backend",
-            reason="no_space",
-        )
-    if code in (errno.ENOMEM, errno.EFAULT, errno.EAGAIN):
-        free = kernel.meminfo().get("MemAvailable", 0)
-        return AllocationError(
-            f"{what}: could not back {nbytes} bytes with memory "
-            f"({errno.errorcode.get(code or 0, code)}; MemAvailable {free} bytes)",
-            reason="no_memory",
-        )
-    if code in (errno.EMFILE, errno.ENFILE):
-        return AllocationError(
-            f"{what}: out of file descriptors ({errno.errorcode[code]}); raise RLIMIT_NOFILE "
-            "(ulimit -n) or allocate fewer, larger regions",
-            reason="fd_limit",
-        )
-    return AllocationError(f"{what}: {exc}", reason="other")
 
 
 def madvise_populate(address: int, length: int, *, page_size: int, threads: int) -> None:
