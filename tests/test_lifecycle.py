@@ -18,8 +18,10 @@ from hostpool import (
     HostPoolManager,
     ShmHostTensorAllocator,
 )
+from hostpool.core.budget import admissions
 from hostpool.core.ledger import get_ledger
 from hostpool.memory.region import Region
+from hostpool.share import peers
 from tests import helpers
 
 MiB = 1 << 20
@@ -231,13 +233,13 @@ def test_children_forked_while_threads_allocate_can_allocate(
 
 def test_a_manager_dropped_without_close_is_collected_and_reported() -> None:
     ledger = get_ledger()
-    budgets = len(ledger.budgets())
+    budgets = len(admissions(ledger))
     finalized = ledger.counters()["releases_total"].get(("dropped", "finalizer"), 0)
     manager = HostPoolManager(budget=64 * MiB)
     alloc = manager.allocator("dropped")
     t = alloc.allocate((MiB,), torch.uint8)
     gone = weakref.ref(manager)
-    assert len(ledger.budgets()) == budgets + 1
+    assert len(admissions(ledger)) == budgets + 1
     del manager, alloc
     gc.collect()
     assert gone() is None  # nothing of hostpool's kept it alive
@@ -249,7 +251,7 @@ def test_a_manager_dropped_without_close_is_collected_and_reported() -> None:
     assert counted == finalized + 1
     (leak,) = [e for e in logs if e["event"] == "hostpool.leak"]
     assert leak["pool"] == "dropped" and leak["bytes"] == MiB
-    assert len(ledger.budgets()) == budgets
+    assert len(admissions(ledger)) == budgets
     t.fill_(1)  # nothing was unmapped under it
     address = record.address
     del t
@@ -268,20 +270,20 @@ def test_share_sources_are_summed_and_held_weakly() -> None:
 
     ledger = get_ledger()
     a, b = Server({"sharedpool": 2}), Server({"sharedpool": 1, "other": 3})
-    ledger.add_share_source(a.attached_counts)
-    ledger.add_share_source(b.attached_counts)
+    peers.add_source(ledger, a.attached_counts)
+    peers.add_source(ledger, b.attached_counts)
     try:
-        seen = ledger.attached_clients()
+        seen = peers.attached_clients(ledger)
         assert (seen.get("sharedpool"), seen.get("other")) == (3, 3)  # not last-writer-wins
         dead = weakref.ref(b)
         del b
         gc.collect()
         assert dead() is None
-        seen = ledger.attached_clients()
+        seen = peers.attached_clients(ledger)
         assert (seen.get("sharedpool"), seen.get("other")) == (2, None)
     finally:
-        ledger.remove_share_source(a.attached_counts)
-    assert "sharedpool" not in ledger.attached_clients()
+        peers.remove_source(ledger, a.attached_counts)
+    assert "sharedpool" not in peers.attached_clients(ledger)
 
 
 def test_close_while_an_allocation_is_in_flight_leaves_nothing_live(

@@ -19,7 +19,7 @@ import torch
 
 from hostpool.base import events
 from hostpool.base.locks import ForkSafeLock
-from hostpool.core.budget import Admission, Reservation
+from hostpool.core.budget import Admission, Reservation, register_admission
 from hostpool.core.ledger import Ledger, get_ledger
 from hostpool.core.records import capture_stack
 from hostpool.errors import AllocationError, ConfigError, HostPoolError, InvalidRequestError
@@ -49,7 +49,7 @@ def process_admission(ledger: Ledger) -> Admission:
         if admission is None:
             admission = Admission(None, ledger.held_bytes, kernel_reason="no_memory")
             _process_admissions[ledger] = admission
-            ledger.add_budget(admission)
+            register_admission(ledger, admission)
         return admission
 
 

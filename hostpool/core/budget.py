@@ -17,6 +17,7 @@ allocations neither jointly overshoot nor count one region twice.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -83,6 +84,32 @@ def as_policy(budget: int | BudgetPolicy | None) -> BudgetPolicy | None:
     if isinstance(budget, BudgetPolicy):
         return budget
     raise InvalidRequestError(f"budget must be bytes or a BudgetPolicy, got {budget!r}")
+
+
+# Each ledger's admissions (its managers' and its allocators' outside any manager), held
+# weakly: a dropped manager drops out. Read by the collector for hostpool_budget_bytes.
+_admissions: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Admission]] = (
+    weakref.WeakKeyDictionary()
+)
+_admissions_lock = ForkSafeLock()
+
+
+def register_admission(ledger: Any, admission: Admission) -> None:
+    """Count `admission` among the limits over `ledger`'s regions (held weakly)."""
+    with _admissions_lock:
+        _admissions.setdefault(ledger, weakref.WeakSet()).add(admission)
+
+
+def unregister_admission(ledger: Any, admission: Admission) -> None:
+    """Forget an admission registered with `register_admission`; no error if it was not."""
+    with _admissions_lock:
+        _admissions.get(ledger, weakref.WeakSet()).discard(admission)
+
+
+def admissions(ledger: Any) -> list[Admission]:
+    """The live admissions registered for `ledger`."""
+    with _admissions_lock:
+        return list(_admissions.get(ledger, ()))
 
 
 def default_headroom() -> int:

@@ -12,78 +12,45 @@ Managers, allocators and `alloc_shm` all record here; managers are views of it.
   and every ledger operation drains that queue under the lock.
 - Nothing slow runs under the lock: munmap and fd closes happen after it is let go; the
   lock guards bookkeeping only (a scrape or an admission never waits for an unmap).
-- Registries of budgets and share servers hold weak references, so a dropped manager is
-  collected; its regions are then released (`finalizer`) and reported as a leak.
+- A manager collected without close() queues its allocators' ids the same way (its
+  finalizer holds no reference); its regions are then released (`finalizer`) and
+  reported as a leak.
 - Fork: the child gets a fresh generation; queued or future finalizer notices of the
   parent's regions are ignored, and the child starts with an empty ledger.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import contextlib
 import functools
 import os
-import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from hostpool.base import events
 from hostpool.base.locks import ForkSafeLock
-from hostpool.core.records import AllocationRecord, record_of
+from hostpool.core.ledger_events import emit_fd_reused, emit_leaks, emit_releases
+from hostpool.core.notices import Gone, notify_dropped, notify_gone
+from hostpool.core.records import (
+    AllocationRecord,
+    DurationHistogram,
+    LedgerEntry,
+    record_of,
+)
 from hostpool.memory.region import Region
 
 # Births and deaths queued before the hot path settles them itself.
 _SETTLE_EVERY = 256
-
-# hostpool_allocation_duration_seconds buckets: 1 ms .. 10 min.
-DURATION_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
-)  # fmt: skip
-
-
-# A memory-layer notice: (generation, region id, how, reused fd, still mapped).
-_Gone = tuple[int, int, str, int | None, bool]
-
-
-@dataclass
-class _Entry:
-    region: Region
-    allocator: str
-    owner: int  # id of the allocator object that made it
-    stack: str | None
-    dims: tuple[int, ...] = ()
-    dtype: str = "torch.uint8"
-    state: str = "live"
-    # Label tuples the collector builds once per region, not once per scrape.
-    scrape_keys: tuple[Any, ...] | None = None
-    pinned: int = 0  # bytes pinned at birth (the chunks list empties when unpinned)
-    seconds: float = 0.0  # allocate + populate time
-    # What its collection means: "tensor" when the region was handed to its tensor by
-    # contract; "finalizer" (the leak signal) when an owner should have released it.
-    collected_as: str = "finalizer"
-
-
-@dataclass
-class _Histogram:
-    counts: list[int] = field(default_factory=lambda: [0] * (len(DURATION_BUCKETS) + 1))
-    total: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1
-        self.total += seconds
 
 
 @dataclass
 class _AfterUnlock:
     """Work a drain found that must not run under the lock: unmaps and events."""
 
-    finished: list[tuple[str, _Entry]]
-    to_close: list[_Entry]
-    leaked: list[_Entry]
+    finished: list[tuple[str, LedgerEntry]]
+    to_close: list[LedgerEntry]
+    leaked: list[LedgerEntry]
     fd_reused: list[tuple[str, int, str | None]]
 
 
@@ -96,13 +63,13 @@ class Ledger:
 
     def __init__(self) -> None:
         self._lock = ForkSafeLock()
-        self._entries: dict[int, _Entry] = {}
+        self._entries: dict[int, LedgerEntry] = {}
         # (generation, region id, how, reused fd, still mapped) from the memory layer.
-        self._gone: collections.deque[_Gone] = collections.deque()
+        self._gone: collections.deque[Gone] = collections.deque()
         # Owner-id sets of managers collected without close() (queued by their finalizer).
         self._dropped: collections.deque[tuple[int, frozenset[int]]] = collections.deque()
-        self._to_close: list[_Entry] = []
-        self._leaked: list[_Entry] = []
+        self._to_close: list[LedgerEntry] = []
+        self._leaked: list[LedgerEntry] = []
         self._fd_reused_events: list[tuple[str, int, str | None]] = []
         self._generation = 0
         self.pid = os.getpid()
@@ -112,13 +79,10 @@ class Ledger:
         self.failures_total: collections.Counter[tuple[str, str]] = collections.Counter()
         self.fallbacks_total: collections.Counter[tuple[str, str]] = collections.Counter()
         self.fd_reuse_skips: collections.Counter[str] = collections.Counter()
-        self.durations: dict[str, _Histogram] = {}
-        # Weak registries: a budget or share server that is dropped drops out of them.
-        self._budgets: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._share_sources: list[weakref.WeakMethod[Callable[[], dict[str, int]]]] = []
+        self.durations: dict[str, DurationHistogram] = {}
         self.track_stacks = tracking_stacks_from_env()
-        self._finished: list[tuple[str, _Entry]] = []
-        self._births: list[_Entry] = []
+        self._finished: list[tuple[str, LedgerEntry]] = []
+        self._births: list[LedgerEntry] = []
         self._callback: Callable[..., None] | None = None
         # region id -> peers holding it through `share` (set by the share server).
         self._peers: dict[int, int] = {}
@@ -151,58 +115,21 @@ class Ledger:
         for entry in after.to_close:
             self._finish_release(entry)
         for pool, fd, name in after.fd_reused:
-            _emit_fd_reused(pool, fd, name)
-        _emit_leaks(after.leaked)
-        _emit_releases(after.finished)
+            emit_fd_reused(pool, fd, name)
+        emit_leaks(after.leaked)
+        emit_releases(after.finished)
 
     # -- finalizer side: no lock, no region reference -------------------------------
     def unmapped_callback(self) -> Callable[..., None]:
         """A callable for the memory layer's finalizer, bound to this generation."""
         callback = self._callback
         if callback is None:
-            callback = self._callback = functools.partial(
-                _notify_gone, self._gone, self._generation
-            )
+            callback = self._callback = functools.partial(notify_gone, self._gone, self._generation)
         return callback
 
     def owners_dropped_callback(self) -> Callable[[Iterable[int]], None]:
         """For a manager's finalizer: its allocators' ids, queued (no lock, no reference)."""
-        return functools.partial(_notify_dropped, self._dropped, self._generation)
-
-    # -- weak registries ---------------------------------------------------------------
-    def add_budget(self, budget: Any) -> None:
-        """Register an admission (limit and reservation source), held weakly."""
-        with self._locked():
-            self._budgets.add(budget)
-
-    def remove_budget(self, budget: Any) -> None:
-        with self._locked():
-            self._budgets.discard(budget)
-
-    def budgets(self) -> list[Any]:
-        with self._locked():
-            return list(self._budgets)
-
-    def add_share_source(self, attached_counts: Callable[[], dict[str, int]]) -> None:
-        """A share server's per-pool peer counts (a bound method, held weakly)."""
-        with self._locked():
-            self._share_sources = [r for r in self._share_sources if r() is not None]
-            self._share_sources.append(weakref.WeakMethod(attached_counts))
-
-    def remove_share_source(self, attached_counts: Callable[[], dict[str, int]]) -> None:
-        with self._locked():
-            self._share_sources = [
-                r for r in self._share_sources if r() is not None and r() != attached_counts
-            ]
-
-    def attached_clients(self) -> dict[str, int]:
-        """Peers per pool, summed over every live share server of this process."""
-        with self._locked():
-            sources = [m for r in self._share_sources if (m := r()) is not None]
-        out: collections.Counter[str] = collections.Counter()
-        for source in sources:
-            out.update(source())
-        return dict(out)
+        return functools.partial(notify_dropped, self._dropped, self._generation)
 
     # -- recording -------------------------------------------------------------------
     def add_pool(self, pool: str) -> None:
@@ -227,7 +154,7 @@ class Ledger:
         must release it, and its collection is `finalizer`, the leak signal."""
         # The allocation hot path: insert and queue, nothing more. Counting waits for
         # the next reader (a scrape, a release, a snapshot), which settles births first.
-        entry = _Entry(
+        entry = LedgerEntry(
             region,
             allocator,
             owner,
@@ -262,10 +189,10 @@ class Ledger:
                 self.fallbacks_total[(pool, reason)] += 1
             histogram = self.durations.get(pool)
             if histogram is None:
-                histogram = self.durations[pool] = _Histogram()
+                histogram = self.durations[pool] = DurationHistogram()
             histogram.observe(entry.seconds)
 
-    def _count_live(self, entry: _Entry, sign: int) -> None:
+    def _count_live(self, entry: LedgerEntry, sign: int) -> None:
         r = entry.region
         self.live_bytes[(r.pool, entry.allocator, r.page_size)] += sign * r.mapped_bytes
         self.live_count[(r.pool, entry.allocator)] += sign
@@ -287,10 +214,10 @@ class Ledger:
                 return None
             self._begin_release_locked(entry, "explicit", announce=False)
         gone = self._finish_release(entry)
-        _emit_releases([("explicit", entry)], gone)
+        emit_releases([("explicit", entry)], gone)
         return gone
 
-    def _begin_release_locked(self, entry: _Entry, how: str, *, announce: bool = True) -> None:
+    def _begin_release_locked(self, entry: LedgerEntry, how: str, *, announce: bool = True) -> None:
         # Counted now, unmapped after the lock: until then the bytes show as still mapped.
         self._count_live(entry, -1)
         self.releases_total[(entry.region.pool, how)] += 1
@@ -298,7 +225,7 @@ class Ledger:
         if announce:
             self._finished.append((how, entry))
 
-    def _finish_release(self, entry: _Entry) -> bool:
+    def _finish_release(self, entry: LedgerEntry) -> bool:
         """Close the region's fd and unmap (outside the lock), then record the outcome."""
         region = entry.region
         gone = region.close()
@@ -311,7 +238,7 @@ class Ledger:
                 else:
                     self._forget(region.id)
         if region.fd_reused is not None:
-            _emit_fd_reused(region.pool, region.fd_reused, region.name)
+            emit_fd_reused(region.pool, region.fd_reused, region.name)
         return gone
 
     def drain(self) -> None:
@@ -393,7 +320,7 @@ class Ledger:
             return sum(self._owner_bytes.get(o, 0) for o in owners)
 
     # -- reading ---------------------------------------------------------------------
-    def entries(self, *, owner: int | None = None) -> list[_Entry]:
+    def entries(self, *, owner: int | None = None) -> list[LedgerEntry]:
         """The records of live, released-still-mapped and released-shared regions (of one
         owner, or all), oldest first."""
         with self._locked():
@@ -460,66 +387,6 @@ class Ledger:
         ):
             counter.clear()
         self.durations = {}
-
-
-def _notify_gone(
-    queue: collections.deque[_Gone],
-    generation: int,
-    rid: int,
-    how: str = "finalizer",
-    reused_fd: int | None = None,
-    still_mapped: bool = False,
-) -> None:
-    queue.append((generation, rid, how, reused_fd, still_mapped))
-
-
-def _notify_dropped(
-    queue: collections.deque[tuple[int, frozenset[int]]],
-    generation: int,
-    owners: Iterable[int],
-) -> None:
-    queue.append((generation, frozenset(owners)))
-
-
-def _emit_fd_reused(pool: str, fd: int, name: str | None) -> None:
-    events.warning(
-        "hostpool.fd_reused",
-        pool=pool,
-        fd=fd,
-        name=name,
-        action="not closed: the number names another file now (a caller closed ours)",
-    )
-
-
-def _emit_leaks(leaked: list[_Entry]) -> None:
-    for entry in leaked:
-        r = entry.region
-        events.warning(
-            "hostpool.leak",
-            pool=r.pool,
-            bytes=r.mapped_bytes,
-            name=r.name,
-            allocator=entry.allocator,
-            stack=entry.stack,
-            why="its HostPoolManager was collected without close()",
-        )
-
-
-def _emit_releases(finished: list[tuple[str, _Entry]], gone: bool | None = None) -> None:
-    for how, entry in finished:
-        r = entry.region
-        still_mapped = r.mapped if gone is None else not gone
-        events.info(
-            "hostpool.release",
-            how=how,
-            pool=r.pool,
-            allocator=entry.allocator,
-            bytes=r.mapped_bytes,
-            name=r.name,
-            # When the pages go: "now", or "with_last_view" when the caller still holds
-            # views (the normal case for release(tensor)); neither is a problem.
-            unmap="with_last_view" if still_mapped else "now",
-        )
 
 
 _ledger = Ledger()

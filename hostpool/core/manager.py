@@ -7,12 +7,21 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from hostpool.base import events
 from hostpool.base.locks import ForkSafeLock
 from hostpool.base.units import format_size
 from hostpool.core.allocators import HostTensorAllocator, allocator_class
-from hostpool.core.budget import Admission, BudgetPolicy, BudgetView, as_policy, budget_view
+from hostpool.core.budget import (
+    Admission,
+    BudgetPolicy,
+    BudgetView,
+    admissions,
+    as_policy,
+    budget_view,
+    register_admission,
+    unregister_admission,
+)
 from hostpool.core.ledger import Ledger, get_ledger
+from hostpool.core.ledger_events import emit_leak
 from hostpool.core.records import AllocationRecord
 from hostpool.errors import InvalidRequestError
 from hostpool.memory.options import validate_pool_name
@@ -66,7 +75,7 @@ class HostPoolManager:
         self._owners: list[int] = []  # appended only: a reader may iterate it meanwhile
         held = functools.partial(self._ledger.held_bytes, self._owners)
         self._admission = Admission(as_policy(budget), held, headroom=headroom)
-        self._ledger.add_budget(self._admission)
+        register_admission(self._ledger, self._admission)
         self._finalizer = weakref.finalize(
             self, self._ledger.owners_dropped_callback(), self._owners
         )
@@ -144,7 +153,7 @@ class HostPoolManager:
     def budget_view(self) -> BudgetView:
         """Every limit that applies to this process now, and what it reserves: the same
         numbers as `hostpool_budget_bytes{limit}` and `hostpool_budget_reserved_bytes`."""
-        return budget_view(self._ledger.budgets(), self._ledger.held_bytes())
+        return budget_view(admissions(self._ledger), self._ledger.held_bytes())
 
     def register_metrics(self, registry: Any = None) -> Any:
         """Register hostpool's collector with `registry` (default: the global one)."""
@@ -169,15 +178,8 @@ class HostPoolManager:
             r for r in self._ledger.snapshot(owners=owners) if r.state == "released_mapped"
         )
         for r in () if already else leaks:
-            events.warning(
-                "hostpool.leak",
-                pool=r.pool,
-                bytes=r.mapped_bytes,
-                name=r.name,
-                allocator=r.allocator,
-                stack=r.stack,
-            )
-        self._ledger.remove_budget(self._admission)
+            emit_leak(r.pool, r.mapped_bytes, r.name, r.allocator, r.stack)
+        unregister_admission(self._ledger, self._admission)
         return LeakReport(leaks)
 
     def __enter__(self) -> HostPoolManager:

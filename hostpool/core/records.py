@@ -1,11 +1,54 @@
-"""What the ledger hands out: plain, JSON-serialisable records, and allocation stacks."""
+"""What the ledger keeps and hands out: an entry per region, the allocation-time
+histogram per pool, plain JSON-serialisable records, and allocation stacks."""
 
 from __future__ import annotations
 
+import bisect
 import os
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from hostpool.memory.region import Region
+
+# hostpool_allocation_duration_seconds buckets: 1 ms .. 10 min.
+DURATION_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+
+
+@dataclass
+class LedgerEntry:
+    """What the ledger keeps of one region: the Region, who made it, and its state."""
+
+    region: Region
+    allocator: str
+    owner: int  # id of the allocator object that made it
+    stack: str | None
+    dims: tuple[int, ...] = ()
+    dtype: str = "torch.uint8"
+    state: str = "live"
+    # Label tuples the collector builds once per region, not once per scrape.
+    scrape_keys: tuple[Any, ...] | None = None
+    pinned: int = 0  # bytes pinned at birth (the chunks list empties when unpinned)
+    seconds: float = 0.0  # allocate + populate time
+    # What its collection means: "tensor" when the region was handed to its tensor by
+    # contract; "finalizer" (the leak signal) when an owner should have released it.
+    collected_as: str = "finalizer"
+
+
+@dataclass
+class DurationHistogram:
+    """hostpool_allocation_duration_seconds of one pool: counts per bucket, and the sum."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(DURATION_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        """Count one allocation that took `seconds`."""
+        self.counts[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1
+        self.total += seconds
 
 
 @dataclass(frozen=True)

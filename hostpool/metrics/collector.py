@@ -29,11 +29,13 @@ from prometheus_client.registry import Collector
 from hostpool._version import __version__
 from hostpool.base.locks import ForkSafeLock
 from hostpool.base.units import format_size
-from hostpool.core.budget import LIMITS, budget_view
-from hostpool.core.ledger import DURATION_BUCKETS, Ledger, get_ledger
+from hostpool.core.budget import LIMITS, admissions, budget_view
+from hostpool.core.ledger import Ledger, get_ledger
+from hostpool.core.records import DURATION_BUCKETS
 from hostpool.errors import FAILURE_REASONS
 from hostpool.memory import kernel
 from hostpool.memory.hugepages import FALLBACK_REASONS
+from hostpool.share.peers import attached_clients
 
 POPULATE_MODES = ("madvise", "map_populate", "touch", "none")
 RELEASE_HOWS = ("explicit", "tensor", "finalizer")
@@ -247,13 +249,13 @@ def measure(ledger: Ledger) -> dict[str, dict[tuple[str, ...], Any]]:
         out["hostpool_fd_reuse_skips"][(pool,)] = 0.0
     for pool, n in counters["fd_reuse_skips"].items():
         out["hostpool_fd_reuse_skips"][(pool,)] = float(n)
-    view = budget_view(ledger.budgets(), ledger.held_bytes())
+    view = budget_view(admissions(ledger), ledger.held_bytes())
     for limit, value in view.limits.items():
         out["hostpool_budget_bytes"][(limit,)] = float(value)
     out["hostpool_budget_reserved_bytes"][()] = float(view.reserved)
     for size, hp in sorted(kernel.hugepage_pools().items()):
         out["hostpool_hugepages_free"][(format_size(size),)] = float(hp.available)
-    for pool, n in ledger.attached_clients().items():
+    for pool, n in attached_clients(ledger).items():
         out["hostpool_attached_clients"][(pool,)] = float(n)
     with _publish_errors_lock:
         for kind in PUBLISH_ERROR_KINDS:

@@ -24,7 +24,7 @@ from hostpool.core.manager import HostPoolManager
 from hostpool.errors import ShareError
 from hostpool.memory.region import Region
 from hostpool.net.guard import FD_SHORTAGE
-from hostpool.share import protocol
+from hostpool.share import peers, protocol
 from hostpool.share.access import AccessPolicy, Grant
 from hostpool.share.loop import Limits, Peer, ShareLoop
 from hostpool.share.socketpath import SocketPath
@@ -77,7 +77,7 @@ class PoolShareServer:
             on_close=self._gone,
             limits=self.limits,
         )
-        self.ledger.add_share_source(self.attached_counts)
+        peers.add_source(self.ledger, self.attached_counts)
         self._loop.start()
         events.info(
             "hostpool.share_listening",
@@ -94,7 +94,7 @@ class PoolShareServer:
         if loop is not None:
             loop.stop()
             loop.listener.close()
-            self.ledger.remove_share_source(self.attached_counts)
+            peers.remove_source(self.ledger, self.attached_counts)
         self._where.release()
 
     def __enter__(self) -> PoolShareServer:

@@ -1,0 +1,73 @@
+"""The events of a region's end, emitted in one place for the ledger and the manager:
+`hostpool.release`, `hostpool.leak`, `hostpool.fd_reused`."""
+
+from __future__ import annotations
+
+from hostpool.base import events
+from hostpool.core.records import LedgerEntry
+
+
+def emit_fd_reused(pool: str, fd: int, name: str | None) -> None:
+    """`hostpool.fd_reused`: a region's fd number was left open, as it names another file."""
+    events.warning(
+        "hostpool.fd_reused",
+        pool=pool,
+        fd=fd,
+        name=name,
+        action="not closed: the number names another file now (a caller closed ours)",
+    )
+
+
+def emit_leak(
+    pool: str,
+    nbytes: int,
+    name: str | None,
+    allocator: str,
+    stack: str | None,
+    why: str | None = None,
+) -> None:
+    """`hostpool.leak`: a region still mapped when its owner ended (`why`, when the
+    owner did not end by close())."""
+    fields = {} if why is None else {"why": why}
+    events.warning(
+        "hostpool.leak",
+        pool=pool,
+        bytes=nbytes,
+        name=name,
+        allocator=allocator,
+        stack=stack,
+        **fields,
+    )
+
+
+def emit_leaks(leaked: list[LedgerEntry]) -> None:
+    """`hostpool.leak` for each region of a manager collected without close()."""
+    for entry in leaked:
+        r = entry.region
+        emit_leak(
+            r.pool,
+            r.mapped_bytes,
+            r.name,
+            entry.allocator,
+            entry.stack,
+            why="its HostPoolManager was collected without close()",
+        )
+
+
+def emit_releases(finished: list[tuple[str, LedgerEntry]], gone: bool | None = None) -> None:
+    """`hostpool.release` for each (how, entry); `gone`: whether the mapping went now
+    (None: ask each region)."""
+    for how, entry in finished:
+        r = entry.region
+        still_mapped = r.mapped if gone is None else not gone
+        events.info(
+            "hostpool.release",
+            how=how,
+            pool=r.pool,
+            allocator=entry.allocator,
+            bytes=r.mapped_bytes,
+            name=r.name,
+            # When the pages go: "now", or "with_last_view" when the caller still holds
+            # views (the normal case for release(tensor)); neither is a problem.
+            unmap="with_last_view" if still_mapped else "now",
+        )
