@@ -24,8 +24,8 @@ from hostpool.core.ledger import Ledger, get_ledger
 from hostpool.core.records import capture_stack
 from hostpool.errors import AllocationError, ConfigError, HostPoolError, InvalidRequestError
 from hostpool.memory.create import backend_of, create_region, plan_fallback
-from hostpool.memory.hugepages import HugepagePlan, Kind, plan_hugepages
-from hostpool.memory.options import RegionOptions, validate_pool_name
+from hostpool.memory.hugepages import HugepagePlan, plan_hugepages
+from hostpool.memory.options import Kind, RegionOptions, validate_pool_name
 from hostpool.memory.region import Region, tensor_over
 
 # Anything past this is a typo or an overflow, not a KV cache (64 TiB).

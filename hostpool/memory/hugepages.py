@@ -4,14 +4,11 @@ fallback with a reason from a fixed set. `hostpool doctor` runs this same code."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from hostpool.base.units import format_size
 from hostpool.errors import HugepageUnavailableError
 from hostpool.memory import kernel, thp
-from hostpool.memory.options import RegionOptions
-
-Kind = Literal["shm", "mmap", "torch"]
+from hostpool.memory.options import Kind, RegionOptions
 
 # The fixed set of hugepage fallback reasons (label `reason` of
 # hostpool_hugepage_fallbacks_total), documented in metrics/README.md.

@@ -11,12 +11,16 @@ from hostpool.base.units import parse_size
 from hostpool.errors import InvalidRequestError
 from hostpool.memory import kernel
 
+# What a region is made of: a memfd or /dev/shm file, anonymous memory, or torch's.
+Kind = Literal["shm", "mmap", "torch"]
 HugepageMode = Literal["off", "prefer", "required"]
 PopulateMode = Literal["auto", "madvise", "map_populate", "touch", "none"]
 ShmBackend = Literal["auto", "memfd", "devshm"]
 
 HUGEPAGE_MODES = ("off", "prefer", "required")
-POPULATE_MODES = ("auto", "madvise", "map_populate", "touch", "none")
+# The ways a region is populated (label `mode` of hostpool_populate_mode); `auto` picks one.
+POPULATE_MODES = ("madvise", "map_populate", "touch", "none")
+POPULATE_CHOICES = ("auto", *POPULATE_MODES)
 SHM_BACKENDS = ("auto", "memfd", "devshm")
 POOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 DEFAULT_PIN_CHUNK = 1 << 30
@@ -66,8 +70,10 @@ class RegionOptions:
         if "hugepage_size" in options:
             values["hugepage_size"] = _hugepage_size(options["hugepage_size"])
         populate = options.get("populate", "auto")
-        if populate not in POPULATE_MODES:
-            raise InvalidRequestError(f"populate must be one of {POPULATE_MODES}, got {populate!r}")
+        if populate not in POPULATE_CHOICES:
+            raise InvalidRequestError(
+                f"populate must be one of {POPULATE_CHOICES}, got {populate!r}"
+            )
         values["populate"] = populate
         threads = options.get("populate_threads", 0)
         if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= 256:

@@ -39,13 +39,11 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from hostpool.base.locks import ForkSafeLock
 from hostpool.memory import cuda, syscalls
-
-Kind = Literal["shm", "mmap", "torch"]
-KINDS: tuple[Kind, ...] = ("shm", "mmap", "torch")
+from hostpool.memory.options import Kind
 
 _region_ids = iter(range(1, 1 << 62))
 _region_ids_lock = ForkSafeLock()

@@ -35,9 +35,9 @@ from hostpool.core.records import DURATION_BUCKETS
 from hostpool.errors import FAILURE_REASONS
 from hostpool.memory import kernel
 from hostpool.memory.hugepages import FALLBACK_REASONS
+from hostpool.memory.options import POPULATE_MODES
 from hostpool.share.peers import attached_clients
 
-POPULATE_MODES = ("madvise", "map_populate", "touch", "none")
 RELEASE_HOWS = ("explicit", "tensor", "finalizer")
 # Why a multiprocess publish failed: the errno families an operator can act on, else other.
 PUBLISH_ERROR_KINDS = ("fd_limit", "no_space", "permission", "os_error", "other")
