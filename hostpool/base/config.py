@@ -44,7 +44,7 @@ def load_file(path: str, *, what: str = "config") -> dict[str, Any]:
         if ext == ".json":
             data = json.loads(raw)
         elif ext == ".toml":
-            import tomllib  # ~20 ms of regex compiling: only for .toml files
+            import tomllib  # slow to import (regex compiling): only for .toml files
 
             data = tomllib.loads(raw.decode())
         elif ext in (".yaml", ".yml"):

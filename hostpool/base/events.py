@@ -5,8 +5,8 @@ The library never configures logging. Events go through structlog wrapped around
 configures nothing sees only warnings on stderr (the stdlib's last-resort handler), one
 that configures stdlib logging or structlog gets structured events, and
 `structlog.testing.capture_logs` sees them (with the `hostpool` logger's level lowered).
-Every event is guarded by the stdlib level check: rendering one costs ~35 us even when
-nothing prints it.
+Every event is guarded by the stdlib level check: rendering one costs time on the
+allocation path even when nothing prints it.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ _log: Any = None
 
 
 def _structlog() -> Any:
-    """structlog, wrapped around the stdlib logger at the first event that passes the
-    level check: importing it costs 30-400 ms (it pulls in rich where rich is installed),
-    which a process that logs nothing should not pay on its first allocation."""
+    """structlog, wrapped around the stdlib logger at the first event that passes the level
+    check: importing it is slow (it pulls in rich where rich is installed), which a
+    process that logs nothing should not pay on its first allocation."""
     global _log
     if _log is None:
         import structlog

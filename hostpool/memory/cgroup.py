@@ -23,7 +23,7 @@ class MemoryLimit:
 
 def _own_paths() -> dict[str, str]:
     """controller -> cgroup path ("" for the v2 unified entry), read on every call: a
-    process moved to another cgroup must be admitted against that one (~20 us)."""
+    process moved to another cgroup must be admitted against that one."""
     paths: dict[str, str] = {}
     try:
         text = Path("/proc/self/cgroup").read_text()

@@ -106,9 +106,9 @@ def thp_choice(kind: Kind, nbytes: int, facts: thp.ThpFacts) -> ThpChoice:
     A THP fault zeroes 2 MiB at once, 512 times fewer faults, when a free 2 MiB block is
     at hand and backed. Two things here make it slower than 4 KiB faults instead: free
     page reporting (VMs) hands free 2 MiB blocks back to the host, so each THP fault
-    waits for the host to back its block (measured ~0.2-0.7 GiB/s against ~1.5-4 GiB/s
-    for 4 KiB pages on this project's VM); and a `defrag` setting that makes a
-    MADV_HUGEPAGE fault stall in direct compaction when free 2 MiB blocks run short.
+    waits for the host to back its block (docs/ARCHITECTURE.md, "Measurements"); and a
+    `defrag` setting that makes a MADV_HUGEPAGE fault stall in direct compaction when
+    free 2 MiB blocks run short.
     """
     mode = facts.shmem_enabled if kind == "shm" else facts.enabled
     allowed = (

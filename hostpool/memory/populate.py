@@ -26,9 +26,8 @@ from hostpool.memory import syscalls
 PARALLEL_THRESHOLD = 256 << 20
 # Populate hands its threads spans of this size from one queue, and checks for a stop
 # between spans (a stop is seen within tens of ms). Small shared spans keep every thread
-# busy to the end: a thread the scheduler parks delays one span, not half the region. On
-# hugetlb memfds here, two threads over 64 MiB spans also ran 1.7x faster than one half
-# each (which was no faster than one thread); 4 KiB pages ran the same either way.
+# busy to the end: a thread the scheduler parks delays one span, not half the region
+# (measured: docs/ARCHITECTURE.md).
 SPAN = 64 << 20
 
 

@@ -327,8 +327,8 @@ class Region:
     def resident_bytes(self) -> int:
         """Bytes of this region backed by memory now; 0 once it is gone.
 
-        fd-backed: `fstat().st_blocks` (~3 us at any size, hugetlb included); anonymous
-        and torch: `mincore` (~5 ms per 4 GiB), counted only if the mapping (or the holder)
+        fd-backed: `fstat().st_blocks` (hugetlb included); anonymous and torch:
+        `mincore`, counted only if the mapping (or the holder)
         is still there after it. Holds no reference: a release or the owner's last view
         is never delayed by a measurement, and one that ends the region meanwhile makes
         it count 0 (mincore never touches the pages; on an unmapped range it is ENOMEM).

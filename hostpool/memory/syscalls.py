@@ -45,7 +45,7 @@ MPOL_BIND = 2
 _SYS_MBIND = {"x86_64": 237, "aarch64": 235, "ppc64le": 259, "s390x": 268}
 
 # dlopen(NULL): libc's symbols are already in the process. find_library("c") would run
-# ldconfig in a subprocess, ~10 ms of every process's first allocation.
+# ldconfig in a subprocess, on every process's first allocation.
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int

@@ -165,9 +165,10 @@ class HostPoolCollector(Collector):
 def measure(ledger: Ledger) -> dict[str, dict[tuple[str, ...], Any]]:
     """Every metric's samples as {name: {label values: value}}, read now.
 
-    Resident bytes: fstat(fd).st_blocks for fd-backed regions (~3 us each at any size,
-    hugetlb pages included) and mincore for anonymous ones (~5 ms per 4 GiB); smaps
-    would cost ~70 ms per populated 4 GiB mapping.
+    Resident bytes: fstat(fd).st_blocks for fd-backed regions (constant cost at any
+    size, hugetlb pages included) and mincore for anonymous ones, never smaps (a page
+    table walk); costs in docs/ARCHITECTURE.md, "Measurements". Never raises for a
+    region released meanwhile: it counts 0.
     """
     counters = ledger.counters()
     pools: list[str] = counters["known_pools"]

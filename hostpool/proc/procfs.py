@@ -196,7 +196,8 @@ def shm_mappings(
     """VMAs of objects whose name starts with a prefix, by address.
 
     `usage=True` reads smaps instead of maps: the kernel then walks the page tables of
-    every VMA of the process (~70 ms per populated 4 GiB), so ask only when needed.
+    every VMA of the process (slow for large populated mappings), so ask only when
+    needed.
     """
     path = f"/proc/{pid}/{'smaps' if usage else 'maps'}"
     text = read_proc_text(pid, path)
@@ -226,8 +227,8 @@ def shm_maps_lines(pid: Pid, prefixes: Sequence[str] = KNOWN_PREFIXES) -> list[s
 
 
 def contains(haystack: bytes, needle: bytes) -> bool:
-    """`needle in haystack`, through libc's memmem where available: ~4x faster on a
-    50 KB maps file (bytes.__contains__ skips poorly on paths full of '.')."""
+    """`needle in haystack`, through libc's memmem where available (bytes.__contains__
+    skips poorly on maps paths full of '.'; see docs/ARCHITECTURE.md)."""
     global _memmem
     if _memmem is None:
         _memmem = _load_memmem()

@@ -24,11 +24,11 @@ from hostpool.proc.procfs import (
 from hostpool.proc.statx import stat_fd
 
 #
-# `read_process` keeps every fd and VMA and reads smaps (a page-table walk: ~70 ms per
-# populated 4 GiB). The exporter needs less per object: its name, the bytes mapped and
-# the pages it holds. So maps is parsed in bulk (one regex over the file, keeping only the
-# lines that name a prefix), each fd is identified with one syscall where possible, and
-# residency is one statx per object (`st_blocks`: the same cost at any size).
+# `read_process` keeps every fd and VMA and reads smaps (a page-table walk). The
+# exporter needs less per object: its name, the bytes mapped and the pages it holds. So
+# maps is parsed in bulk (one regex over the file, keeping only the lines that name a
+# prefix), each fd is identified with one syscall where possible, and residency is one
+# statx per object (`st_blocks`: the same cost at any size).
 
 Key = tuple[int, int] | bytes  # (st_dev, st_ino); an inode-less anonymous VMA's path
 

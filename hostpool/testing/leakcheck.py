@@ -16,7 +16,7 @@ the kernel hands to a new memfd still counts as new, and the text of shm lines o
 still present are not leaks; objects closed meanwhile are ignored.
 
 A first difference may be garbage that only a collection frees (a tensor in a
-reference cycle): only then is `gc.collect()` run (~130 ms with torch loaded) and the
+reference cycle): only then is `gc.collect()` run (slow with torch loaded) and the
 state read again. What remains is reported with its pool, size and, when hostpool's
 ledger tracked the allocation (`HOSTPOOL_TRACK_STACKS=1`), the stack that allocated it.
 
