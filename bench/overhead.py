@@ -31,8 +31,8 @@ from hostpool import HostPoolManager, ShmHostTensorAllocator
 from hostpool.core.budget import Admission
 from hostpool.memory import cgroup, kernel
 from hostpool.memory.create import create_region
+from hostpool.memory.holders import tensor_over
 from hostpool.memory.options import RegionOptions
-from hostpool.memory.region import tensor_over
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overhead.json"
 SIZE = 2 << 20

@@ -2,9 +2,10 @@
 
 from hostpool.base.units import format_size, parse_size
 from hostpool.memory.create import create_region
+from hostpool.memory.holders import tensor_over
 from hostpool.memory.hugepages import plan_hugepages
 from hostpool.memory.options import RegionOptions
-from hostpool.memory.region import Region, tensor_over
+from hostpool.memory.region import Region
 
 __all__ = [
     "Region",

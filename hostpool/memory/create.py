@@ -17,9 +17,10 @@ from typing import Any
 
 from hostpool.errors import AllocationError, HugepageUnavailableError
 from hostpool.memory import cuda, failures, kernel, populate, shm, syscalls
+from hostpool.memory.holders import holder_type
 from hostpool.memory.hugepages import HugepagePlan, plan_hugepages, required_message
 from hostpool.memory.options import Kind, RegionOptions
-from hostpool.memory.region import Region, RegionMapping, holder_type, new_region
+from hostpool.memory.region import Region, RegionMapping, new_region
 
 
 def _pin(

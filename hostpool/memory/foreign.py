@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from hostpool.memory import syscalls
-from hostpool.memory.region import Region, holder_type, new_region, tensor_over
+from hostpool.memory.holders import holder_type, tensor_over
+from hostpool.memory.region import Region, new_region
 
 FOREIGN_BACKEND = "foreign"
 

@@ -30,9 +30,7 @@ away meanwhile counts 0 (ENOMEM, or another mapping's pages since), never touche
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import functools
 import mmap
 import os
 import time
@@ -133,14 +131,6 @@ class RegionMapping(mmap.mmap):
         reused = fd if fd is not None and not close_if_same(fd, dev_ino) else None
         if on_unmapped is not None:
             on_unmapped(region_id, "explicit", reused, True)
-
-
-@functools.lru_cache(maxsize=512)
-def holder_type(nbytes: int) -> type[ctypes.Array[ctypes.c_ubyte]]:
-    """The ctypes array type of a region's holder of `nbytes` bytes. It carries a
-    `__dict__`, so a holder over memory torch or another allocator owns can keep that
-    memory's owner alive (`holder._owner = tensor`)."""
-    return type("RegionBuffer", (ctypes.c_ubyte * nbytes,), {})
 
 
 def _claim(box: list[int]) -> int | None:
@@ -388,15 +378,3 @@ class Region:
                 return False
             return True
         return not self.views_alive()
-
-
-def tensor_over(holder: Any, dims: tuple[int, ...], dtype: Any) -> Any:
-    """A tensor of `dims`/`dtype` over a Region's holder (the tensor keeps it alive)."""
-    import math
-
-    import torch
-
-    count = math.prod(dims)
-    if count == 0:
-        return torch.frombuffer(holder, dtype=dtype, count=1)[:0].reshape(dims)
-    return torch.frombuffer(holder, dtype=dtype, count=count).reshape(dims)

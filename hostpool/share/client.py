@@ -29,7 +29,7 @@ from hostpool.base.units import format_size
 from hostpool.core.budget import Admission
 from hostpool.errors import AllocationError, InvalidRequestError, ShareError
 from hostpool.memory import syscalls
-from hostpool.memory.region import tensor_over
+from hostpool.memory.holders import tensor_over
 from hostpool.share import access, protocol
 
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
