@@ -17,7 +17,6 @@ import mmap
 import os
 import socket
 import struct
-import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from hostpool.errors import AllocationError, InvalidRequestError, ShareError
 from hostpool.memory import syscalls
 from hostpool.memory.holders import tensor_over
 from hostpool.share import access, protocol
+from hostpool.share.deadline import AttachDeadline
 
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _PEERCRED = struct.Struct("3i")
@@ -129,7 +129,7 @@ def attach(
     trusted = _server_uids(server_uids)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
         raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    deadline = _Deadline(path, timeout)
+    deadline = AttachDeadline(path, timeout)
     access = "any" if readonly is None else ("read" if readonly else "write")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     fds: list[int] = []
@@ -365,58 +365,3 @@ def _is_count(value: object) -> TypeGuard[int]:
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 200 else text[:200] + "..."
-
-
-class _Deadline:
-    """One deadline for a whole attach: every socket operation gets only what is left, so
-    a server trickling packets cannot hold the caller past `timeout`."""
-
-    def __init__(self, path: str, timeout: float) -> None:
-        self.path = path
-        self.timeout = timeout
-        self.end = time.monotonic() + timeout
-
-    def left(self) -> float:
-        left = self.end - time.monotonic()
-        if left <= 0:
-            raise self.expired()
-        return left
-
-    def arm(self, sock: socket.socket) -> None:
-        sock.settimeout(self.left())
-
-    def connect(self, sock: socket.socket) -> None:
-        """Connect, waiting for room in a full backlog until the deadline. (With a socket
-        timeout set, a Unix connect to a full backlog fails at once with EAGAIN; blocking,
-        it waits up to SO_SNDTIMEO.)"""
-        left = self.left()
-        sock.settimeout(None)
-        whole = int(left)
-        wait = struct.pack("ll", whole, max(1, int((left - whole) * 1e6)))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, wait)
-        try:
-            sock.connect(self.path)
-        except BlockingIOError as exc:
-            raise self.expired() from exc
-        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as exc:
-            # Name the path: "[Errno 2] No such file or directory" alone says nothing.
-            raise ShareError(
-                f"cannot attach to {self.path}: {exc.strerror} (is `hostpool serve "
-                "--share-socket` running with this path?)"
-            ) from exc
-        finally:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 0))
-
-    def expired(self) -> ShareError:
-        return ShareError(f"attach to {self.path} did not complete within {self.timeout} s")
-
-    def receive(
-        self, sock: socket.socket, *, max_fds: int = 0
-    ) -> tuple[dict[str, Any], list[int], int]:
-        self.arm(sock)
-        try:
-            return protocol.receive(sock, max_fds=max_fds)
-        except TimeoutError as exc:
-            raise self.expired() from exc
-        except protocol.ProtocolError as exc:
-            raise ShareError(f"malformed reply from {self.path}: {exc}") from exc
