@@ -32,32 +32,29 @@ every original back. A vLLM whose layout differs from 0.32's is left alone, with
 from __future__ import annotations
 
 import functools
-import itertools
-import mmap
-import os
 import sys
 import threading
 import time
 import types
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from hostpool.base import events
 from hostpool.integrations.importhook import PostImportHook
-from hostpool.memory.region import Region
+from hostpool.integrations.vllm.recording import (
+    Populate,
+    VllmRegion,
+    next_owner_id,
+    record_region,
+    release_owner,
+    untracked,
+    zeros_mode_type,
+)
 
 REGION_MODULE = "vllm.v1.kv_offload.cpu.shared_offload_region"
 WORKER_MODULE = "vllm.v1.kv_offload.cpu.gpu_worker"
-POOL = "vllm_offload"
-REGION_ALLOCATOR = "vllm_shared_region"
-TENSOR_ALLOCATOR = "vllm_torch"
 
-# Region and owner ids of this module's records: a range of their own, below the ids
-# hostpool's allocators (counting up from 1) and sglang's foreign owners (-1, -2, ...) use.
-_ID_BASE = 1 << 48
-_ids = itertools.count(1)
 
 _lock = threading.RLock()
 _installed = False
@@ -68,7 +65,7 @@ _patched: list[tuple[Any, str, Any]] = []
 # its fallback tensors. Weak keys: hostpool keeps nothing of vLLM's alive.
 _regions: weakref.WeakKeyDictionary[Any, VllmRegion] = weakref.WeakKeyDictionary()
 _workers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-_populating = threading.local()  # .state: the _Populate of the region __init__ on this thread
+_populating = threading.local()  # .state: the Populate of the region __init__ on this thread
 
 
 def installed() -> bool:
@@ -113,7 +110,7 @@ def uninstall() -> None:
         owners = list(_workers.values())
         _workers.clear()
     for owner in owners:
-        _release_owner(owner)
+        release_owner(owner)
 
 
 def _is_target(name: str) -> bool:
@@ -163,91 +160,12 @@ def _patch(owner: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[
     _patched.append((owner, attr, original))
 
 
-# -- SharedOffloadRegion --------------------------------------------------------------
-@dataclass(eq=False)
-class VllmRegion(Region):
-    """A `SharedOffloadRegion` as the ledger sees it: vLLM owns the fd and the mapping,
-    hostpool holds weak references and the inode (nothing here opens, maps or closes).
-
-    `fd` is vLLM's fd while it still names the region's inode; `open_fd_count()` is that
-    fd plus mmap's internal dup while vLLM's mapping is open: what /proc/PID/fd shows.
-    """
-
-    source: weakref.ReferenceType[Any] | None = field(default=None, repr=False)
-    mapping: weakref.ReferenceType[mmap.mmap] | None = field(default=None, repr=False)
-
-    @property
-    def fd(self) -> int | None:
-        fd, _ = self._stat()
-        return fd
-
-    def _stat(self) -> tuple[int | None, int]:
-        """(vLLM's fd, bytes the file holds) when the fd still names our inode."""
-        source = self.source() if self.source is not None else None
-        fd = getattr(source, "fd", None)
-        if not isinstance(fd, int):
-            return None, 0
-        try:
-            st = os.fstat(fd)
-        except OSError:
-            return None, 0
-        if (st.st_dev, st.st_ino) != self.dev_ino:
-            return None, 0  # closed by vLLM and the number reused: not ours to count
-        return fd, min(st.st_blocks * 512, self.mapped_bytes)
-
-    @property
-    def mapped(self) -> bool:
-        mm = self.mapping() if self.mapping is not None else None
-        return mm is not None and not mm.closed
-
-    def views_alive(self) -> bool:
-        return self.mapped
-
-    def mmap(self) -> None:
-        """None: the mapping is vLLM's, never handed out by hostpool."""
-        return None
-
-    def open_fd_count(self) -> int:
-        return self.scrape()[0]
-
-    def borrow_fd(self) -> int | None:
-        fd = self.fd
-        if fd is None:
-            return None
-        dup = os.dup(fd)
-        st = os.fstat(dup)
-        if (st.st_dev, st.st_ino) != self.dev_ino:
-            os.close(dup)
-            return None
-        return dup
-
-    def resident_bytes(self) -> int:
-        return self.scrape()[1]
-
-    def scrape(self) -> tuple[int, int]:
-        fd, resident = self._stat()
-        return (fd is not None) + self.mapped, resident
-
-    def close(self) -> bool:
-        """Closes nothing (vLLM's `cleanup()` does); True once vLLM's mapping is closed."""
-        return not self.mapped
-
-
-@dataclass
-class _Populate:
-    """What vLLM's populate did inside one region constructor on this thread."""
-
-    mode: str = "none"  # a creator-only joiner populates nothing
-    seconds: float = 0.0
-    waited: float = 0.0  # in vLLM's barrier: other ranks' time, not this allocation's
-
-
 def _populate_chooser(
     madvise: Callable[..., None], original: Callable[..., Callable[..., None]]
 ) -> Callable[..., Callable[..., None]]:
     def _get_populate_write_fn(mmap_obj: Any) -> Callable[..., None]:
         chosen = original(mmap_obj)
-        state: _Populate | None = getattr(_populating, "state", None)
+        state: Populate | None = getattr(_populating, "state", None)
         if state is None:
             return chosen
         state.mode = "madvise" if chosen is madvise else "touch"
@@ -266,7 +184,7 @@ def _populate_chooser(
 
 def _region_init(original: Callable[..., None]) -> Callable[..., None]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        state = _Populate()
+        state = Populate()
         if callable(kwargs.get("barrier")):  # vLLM passes it by name
             kwargs["barrier"] = _timed_barrier(kwargs["barrier"], state)
         outer = getattr(_populating, "state", None)
@@ -278,14 +196,17 @@ def _region_init(original: Callable[..., None]) -> Callable[..., None]:
             _populating.state = outer
         seconds = time.perf_counter() - started - state.waited
         try:
-            _record_region(self, seconds, state)
+            region = record_region(self, seconds, state)
         except Exception as exc:  # a record must never stop vLLM
-            _untracked(exc)
+            untracked(exc)
+            return
+        with _lock:
+            _regions[self] = region
 
     return __init__
 
 
-def _timed_barrier(barrier: Callable[[], None], state: _Populate) -> Callable[[], None]:
+def _timed_barrier(barrier: Callable[[], None], state: Populate) -> Callable[[], None]:
     def timed() -> None:
         started = time.perf_counter()
         try:
@@ -311,100 +232,21 @@ def _region_cleanup(original: Callable[..., None]) -> Callable[..., None]:
     return cleanup
 
 
-def _record_region(source: Any, seconds: float, populate: _Populate) -> None:
-    from hostpool.core.ledger import get_ledger
-    from hostpool.core.records import capture_stack
-
-    fd = source.fd
-    mm = source.mmap_obj
-    if not isinstance(fd, int) or not isinstance(mm, mmap.mmap):
-        raise TypeError("SharedOffloadRegion without an fd and a mapping")
-    st = os.fstat(fd)
-    nbytes = int(source.total_size_bytes)
-    ledger = get_ledger()
-    rid = -(_ID_BASE + next(_ids))
-    region = VllmRegion(
-        id=rid,
-        pool=POOL,
-        kind="shm",
-        backend="devshm",
-        name=os.path.basename(str(source.mmap_path)),
-        requested_bytes=nbytes,
-        mapped_bytes=nbytes,
-        page_size=mmap.PAGESIZE,
-        address=int(source.base_tensor.data_ptr()),
-        populate_mode=populate.mode,
-        populate_seconds=populate.seconds,
-        hugepage_fallbacks=(),
-        thp_advised=False,
-        seals=0,
-        numa_node=None,
-        dev_ino=(st.st_dev, st.st_ino),
-        source=weakref.ref(source),
-        mapping=weakref.ref(mm),
-    )
-    # The mapping goes with vLLM's mmap object. Its end is explicit when vLLM's cleanup()
-    # ran (the region object lives on with `mmap_obj = None`), else a leak: the object was
-    # collected (its fd stays open: vLLM closes it only in cleanup()).
-    gone = functools.partial(_mapping_gone, ledger.unmapped_callback(), weakref.ref(source), rid)
-    weakref.finalize(mm, gone).atexit = False
-    with _lock:
-        _regions[source] = region
-    ledger.add_pool(POOL)
-    ledger.record(
-        region,
-        allocator=REGION_ALLOCATOR,
-        owner=rid,
-        stack=capture_stack() if ledger.track_stacks else None,
-        seconds=seconds,
-        dims=(nbytes,),
-        dtype="torch.int8",
-    )
-    events.info(
-        "hostpool.vllm.recorded",
-        pool=POOL,
-        allocator=REGION_ALLOCATOR,
-        bytes=nbytes,
-        name=region.name,
-        fd=fd,
-        rank=getattr(source, "rank", None),
-        seconds=round(seconds, 6),
-    )
-
-
-def _mapping_gone(
-    notify: Callable[..., None], source_ref: weakref.ReferenceType[Any], region_id: int
-) -> None:
-    # Finalizer (any thread, inside GC): no lock, no reference to the record.
-    source = source_ref()
-    cleaned = source is not None and getattr(source, "mmap_obj", True) is None
-    notify(region_id, "explicit" if cleaned else "finalizer")
-
-
-def _untracked(exc: BaseException) -> None:
-    events.warning(
-        "hostpool.vllm.untracked",
-        pool=POOL,
-        error=f"{type(exc).__name__}: {exc}",
-        effect="vLLM runs unchanged; this region is not in hostpool's ledger",
-    )
-
-
 # -- CPUOffloadingWorker's torch.zeros fallback --------------------------------------
 def _worker_init(original: Callable[..., None]) -> Callable[..., None]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        owner = -(_ID_BASE + next(_ids))
+        owner = next_owner_id()
         try:
-            with _zeros_mode_type()(owner):
+            with zeros_mode_type()(owner):
                 original(self, *args, **kwargs)
         except BaseException:
-            _release_owner(owner)  # vLLM's constructor failed and dropped them
+            release_owner(owner)  # vLLM's constructor failed and dropped them
             raise
         with _lock:
             if _installed:
                 _workers[self] = owner
                 return
-        _release_owner(owner)  # uninstalled meanwhile: nothing will watch shutdown()
+        release_owner(owner)  # uninstalled meanwhile: nothing will watch shutdown()
 
     return __init__
 
@@ -417,73 +259,6 @@ def _worker_shutdown(original: Callable[..., None]) -> Callable[..., None]:
             with _lock:
                 owner = _workers.pop(self, None)
             if owner is not None:
-                _release_owner(owner)
+                release_owner(owner)
 
     return shutdown
-
-
-def _release_owner(owner: int) -> None:
-    from hostpool.core.ledger import get_ledger
-
-    ledger = get_ledger()
-    for region in ledger.regions(owner=owner):
-        ledger.release(region.id)
-
-
-@functools.cache
-def _zeros_mode_type() -> type:
-    import torch
-    from torch.overrides import TorchFunctionMode
-
-    class ZerosMode(TorchFunctionMode):
-        """While vLLM's worker constructor runs on this thread, each CPU tensor
-        `torch.zeros` makes is recorded. A torch function mode is thread-local and
-        scoped to the `with`: torch stays unchanged for everyone else."""
-
-        def __init__(self, owner: int) -> None:
-            super().__init__()
-            self.owner = owner
-
-        def __torch_function__(
-            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-        ) -> Any:
-            result = func(*args, **(kwargs or {}))
-            if (
-                func is torch.zeros
-                and isinstance(result, torch.Tensor)
-                and result.device.type == "cpu"
-                and result.numel()
-            ):
-                try:
-                    return _record_tensor(result, self.owner)
-                except Exception as exc:  # a record must never stop vLLM
-                    _untracked(exc)
-            return result
-
-    return ZerosMode
-
-
-def _record_tensor(tensor: Any, owner: int) -> Any:
-    from hostpool.core.ledger import get_ledger
-    from hostpool.core.records import capture_stack
-    from hostpool.memory.foreign import adopt
-
-    ledger = get_ledger()
-    region, view = adopt(tensor, POOL, ledger.unmapped_callback())
-    ledger.add_pool(POOL)
-    ledger.record(
-        region,
-        allocator=TENSOR_ALLOCATOR,
-        owner=owner,
-        stack=capture_stack() if ledger.track_stacks else None,
-        seconds=0.0,
-        dims=tuple(view.shape),
-        dtype=str(view.dtype),
-    )
-    events.info(
-        "hostpool.vllm.recorded",
-        pool=POOL,
-        allocator=TENSOR_ALLOCATOR,
-        bytes=region.mapped_bytes,
-    )
-    return view
