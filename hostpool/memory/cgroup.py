@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,56 +52,55 @@ def _v2_dir() -> Path:
 def memory_limit() -> MemoryLimit | None:
     """The tightest memory limit among this cgroup and its ancestors, or None."""
     paths = _own_paths()
-    best: MemoryLimit | None = None
     if "memory" in paths:  # v1
-        base = CGROUP_ROOT / "memory"
-        for d in _ancestors(base, paths["memory"]):
-            limit = _read(d / "memory.limit_in_bytes")
-            if limit is None or int(limit) >= _V1_UNLIMITED:
-                continue  # no limit here: its usage need not be read
-            usage = _read(d / "memory.usage_in_bytes")
-            if usage is None:
-                continue
-            cand = MemoryLimit(int(limit), int(usage), str(d / "memory.limit_in_bytes"))
-            if best is None or cand.free < best.free:
-                best = cand
-        return best
+        dirs = _ancestors(CGROUP_ROOT / "memory", paths["memory"])
+        return _tightest(
+            dirs,
+            "memory.limit_in_bytes",
+            "memory.usage_in_bytes",
+            lambda v: int(v) >= _V1_UNLIMITED,  # no limit here: its usage need not be read
+        )
     if "" in paths:  # v2
-        for d in _ancestors(_v2_dir(), paths[""]):
-            limit = _read(d / "memory.max")
-            if limit is None or limit == "max":
-                continue
-            usage = _read(d / "memory.current")
-            if usage is None:
-                continue
-            cand = MemoryLimit(int(limit), int(usage), str(d / "memory.max"))
-            if best is None or cand.free < best.free:
-                best = cand
+        dirs = _ancestors(_v2_dir(), paths[""])
+        return _tightest(dirs, "memory.max", "memory.current", lambda v: v == "max")
+    return None
+
+
+def _tightest(
+    dirs: Iterable[Path], limit_file: str, usage_file: str, unlimited: Callable[[str], bool]
+) -> MemoryLimit | None:
+    """The limit with the least room among `dirs`; a limit that is `unlimited` is skipped
+    without reading its usage."""
+    best: MemoryLimit | None = None
+    for d in dirs:
+        limit = _read(d / limit_file)
+        if limit is None or unlimited(limit):
+            continue
+        usage = _read(d / usage_file)
+        if usage is None:
+            continue
+        cand = MemoryLimit(int(limit), int(usage), str(d / limit_file))
+        if best is None or cand.free < best.free:
+            best = cand
     return best
 
 
 def hugetlb_limit(page_label: str) -> MemoryLimit | None:
     """The hugetlb cgroup limit for one page size ("2MB", "1GB"), v2 or v1."""
     paths = _own_paths()
-    candidates: list[tuple[Path, str, str]] = []
     if "hugetlb" in paths:
-        base = CGROUP_ROOT / "hugetlb"
-        for d in _ancestors(base, paths["hugetlb"]):
-            candidates.append(
-                (d, f"hugetlb.{page_label}.limit_in_bytes", f"hugetlb.{page_label}.usage_in_bytes")
-            )
+        dirs = _ancestors(CGROUP_ROOT / "hugetlb", paths["hugetlb"])
+        files = (f"hugetlb.{page_label}.limit_in_bytes", f"hugetlb.{page_label}.usage_in_bytes")
     elif "" in paths:
-        for d in _ancestors(_v2_dir(), paths[""]):
-            candidates.append((d, f"hugetlb.{page_label}.max", f"hugetlb.{page_label}.current"))
-    best: MemoryLimit | None = None
-    for d, limit_file, usage_file in candidates:
-        limit, usage = _read(d / limit_file), _read(d / usage_file)
-        if limit is None or usage is None or limit == "max" or int(limit) >= _V1_UNLIMITED:
-            continue
-        cand = MemoryLimit(int(limit), int(usage), str(d / limit_file))
-        if best is None or cand.free < best.free:
-            best = cand
-    return best
+        dirs = _ancestors(_v2_dir(), paths[""])
+        files = (f"hugetlb.{page_label}.max", f"hugetlb.{page_label}.current")
+    else:
+        return None
+    return _tightest(dirs, *files, _hugetlb_unlimited)
+
+
+def _hugetlb_unlimited(value: str) -> bool:
+    return value == "max" or int(value) >= _V1_UNLIMITED
 
 
 def _ancestors(base: Path, rel: str) -> list[Path]:

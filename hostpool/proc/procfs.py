@@ -96,15 +96,21 @@ class ShmFd:
     allocated_bytes: int  # st_blocks * 512: pages the object holds now (shmem, hugetlbfs)
 
 
-def shm_fds(pid: Pid, prefixes: Sequence[str] = KNOWN_PREFIXES) -> list[ShmFd]:
-    """The process's fds whose shm object name starts with one of `prefixes`, by fd."""
+def open_fd_dir(pid: Pid) -> tuple[str, int]:
+    """(path, open fd) of the process's /proc/PID/fd directory; the caller closes the fd.
+    Raises ProcessNotFoundError / ProcessAccessError."""
     fd_dir = f"/proc/{pid}/fd"
     try:
-        dir_fd = os.open(fd_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        return fd_dir, os.open(fd_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except GONE:
         raise ProcessNotFoundError(pid) from None
     except PermissionError:
         raise ProcessAccessError(pid, fd_dir) from None
+
+
+def shm_fds(pid: Pid, prefixes: Sequence[str] = KNOWN_PREFIXES) -> list[ShmFd]:
+    """The process's fds whose shm object name starts with one of `prefixes`, by fd."""
+    fd_dir, dir_fd = open_fd_dir(pid)
     try:
         return _shm_fds_in(dir_fd, pid, fd_dir, prefixes)
     finally:

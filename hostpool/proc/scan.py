@@ -19,6 +19,7 @@ from hostpool.proc.procfs import (
     ProcessAccessError,
     ProcessNotFoundError,
     contains,
+    open_fd_dir,
     read_proc_bytes,
 )
 from hostpool.proc.statx import stat_fd
@@ -239,13 +240,7 @@ def _held_fds(
     deadline: float | None,
     fds_by: FdStrategy,
 ) -> tuple[Unmapped, bool]:
-    fd_dir = f"/proc/{pid}/fd"
-    try:
-        dir_fd = os.open(fd_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except GONE:
-        raise ProcessNotFoundError(pid) from None
-    except PermissionError:
-        raise ProcessAccessError(pid, fd_dir) from None
+    fd_dir, dir_fd = open_fd_dir(pid)
     try:
         try:  # bytes names: links come back as bytes, as maps paths do
             entries = os.listdir(os.fsencode(fd_dir))
