@@ -359,10 +359,6 @@ def _create_torch(
         populate_mode=mode,
         populate_seconds=populate_seconds,
         hugepage_fallbacks=plan.fallbacks,
-        thp_advised=False,
-        seals=0,
-        numa_node=None,
-        dev_ino=None,
     )
     b.torch_tensor = None
     b.holder = None

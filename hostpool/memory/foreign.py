@@ -38,11 +38,6 @@ def adopt(tensor: Any, pool: str, on_unmapped: Callable[..., None] | None) -> tu
         address=address,
         populate_mode="none",
         populate_seconds=0.0,
-        hugepage_fallbacks=(),
-        thp_advised=False,
-        seals=0,
-        numa_node=None,
-        dev_ino=None,
     )
     view = tensor_over(holder, tuple(tensor.shape), tensor.dtype) if tensor.numel() else tensor
     return region, view

@@ -231,11 +231,11 @@ class Region:
     address: int
     populate_mode: str  # madvise, map_populate, touch, none
     populate_seconds: float
-    hugepage_fallbacks: tuple[str, ...]
-    thp_advised: bool
-    seals: int
-    numa_node: int | None
-    dev_ino: tuple[int, int] | None
+    hugepage_fallbacks: tuple[str, ...] = ()
+    thp_advised: bool = False
+    seals: int = 0
+    numa_node: int | None = None
+    dev_ino: tuple[int, int] | None = None  # None: no fd of its own
     created_at: float = field(default_factory=time.time)
     pinned_chunks: list[tuple[int, int]] = field(default_factory=list, repr=False)
     _fd_box: list[int] = field(default_factory=list, repr=False)

@@ -39,14 +39,7 @@ from typing import Any
 
 from hostpool.base import events
 from hostpool.errors import ConfigError
-from hostpool.net.guard import (
-    FD_SHORTAGE,
-    Backoff,
-    Throttle,
-    connection_cap,
-    oldest_idle,
-    past_deadline,
-)
+from hostpool.net import guard
 from hostpool.share import protocol
 
 ACCEPT_BATCH = 64
@@ -73,7 +66,7 @@ class Limits:
         send_timeout: float = 5.0,
     ) -> Limits:
         if max_connections is None:
-            max_connections = connection_cap(256, 4)
+            max_connections = guard.connection_cap(256, 4)
         if max_per_uid is None:
             max_per_uid = max(1, max_connections // 4)
         if max_connections < 1 or max_per_uid < 1 or request_timeout <= 0 or send_timeout <= 0:
@@ -130,14 +123,14 @@ class ShareLoop:
         self.on_close = on_close
         self.limits = limits
         self.peers: dict[int, Peer] = {}  # by Peer.id
-        self.throttle = Throttle()
+        self.throttle = guard.Throttle()
         self._ids = 0
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._listening = False
-        self._backoff = Backoff(BACKOFF_MIN, BACKOFF_MAX)
+        self._backoff = guard.Backoff(BACKOFF_MIN, BACKOFF_MAX)
         self._resume_at = 0.0
 
     # -- lifecycle -------------------------------------------------------------------
@@ -222,7 +215,7 @@ class ShareLoop:
             except OSError as exc:
                 if exc.errno == errno.ECONNABORTED:
                     continue
-                if exc.errno in FD_SHORTAGE and self.evict_one("fd limit reached"):
+                if exc.errno in guard.FD_SHORTAGE and self.evict_one("fd limit reached"):
                     continue
                 self._pause(exc)
                 return
@@ -287,7 +280,7 @@ class ShareLoop:
     ) -> bool:
         """Close the oldest connection that holds nothing; False if there is none."""
         # peers and `among` are in the order they were accepted: oldest first
-        victim = oldest_idle(
+        victim = guard.oldest_idle(
             list(self.peers.values() if among is None else among),
             lambda p: p.idle and p is not spare,
         )
@@ -352,7 +345,7 @@ class ShareLoop:
         peer.deadline = None if peer.pools else time.monotonic() + self.limits.request_timeout
 
     def _expire(self, now: float) -> None:
-        for peer in past_deadline(self.peers.values(), lambda p: p.deadline, now):
+        for peer in guard.past_deadline(self.peers.values(), lambda p: p.deadline, now):
             what = "reply not read" if peer.outbox else "no request"
             self.throttle.warning(
                 "hostpool.share_timeout", peer.uid, pid=peer.pid, uid=peer.uid, reason=what
