@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class HostPoolError(Exception):
     """Base of every error hostpool raises on purpose."""
@@ -54,24 +56,8 @@ class HugepageUnavailableError(AllocationError):
     """`hugepages="required"` and the hugepage pool cannot hold the request; the figures
     as for AllocationError (`available_bytes`: free hugepages of the size, in bytes)."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        reason: str = "hugepages",
-        pool: str | None = None,
-        need_bytes: int | None = None,
-        available_bytes: int | None = None,
-        limit_bytes: int | None = None,
-    ) -> None:
-        super().__init__(
-            message,
-            reason=reason,
-            pool=pool,
-            need_bytes=need_bytes,
-            available_bytes=available_bytes,
-            limit_bytes=limit_bytes,
-        )
+    def __init__(self, message: str, *, reason: str = "hugepages", **figures: Any) -> None:
+        super().__init__(message, reason=reason, **figures)
 
 
 class Cancelled(BaseException):
