@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+import threading
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -99,3 +100,42 @@ class _WatchedSpec(importlib.machinery.ModuleSpec):
         if isinstance(module, types.ModuleType) and module.__spec__ is self:
             for after in state.get(_AFTER, ()):
                 after(module)
+
+
+class Switch:
+    """An integration's on/off state: whether it is installed, the import hook that calls
+    `on_import(module)` for each module `wanted` names imported while it is on, and the
+    re-entrant `lock` that install, uninstall and that callback run under."""
+
+    def __init__(
+        self, wanted: Callable[[str], bool], on_import: Callable[[types.ModuleType], None]
+    ) -> None:
+        self.lock = threading.RLock()
+        self.installed = False
+        self._wanted = wanted
+        self._on_import = on_import
+        self._hook: PostImportHook | None = None
+
+    def turn_on(self) -> bool:
+        """Mark installed and add the hook (call under `lock`); False if it already was."""
+        if self.installed:
+            return False
+        self.installed = True
+        self._hook = PostImportHook(self._wanted, self._late_import)
+        self._hook.add()
+        return True
+
+    def turn_off(self) -> bool:
+        """Mark uninstalled and remove the hook (call under `lock`); False if it was off."""
+        if not self.installed:
+            return False
+        self.installed = False
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook = None
+        return True
+
+    def _late_import(self, module: types.ModuleType) -> None:
+        with self.lock:
+            if self.installed:
+                self._on_import(module)

@@ -5,13 +5,12 @@ the modules already imported and, through an import hook, in every one imported 
 from __future__ import annotations
 
 import sys
-import threading
 import types
 from collections.abc import Callable
 from typing import Any
 
 from hostpool.base import events
-from hostpool.integrations.importhook import PostImportHook, in_package
+from hostpool.integrations.importhook import Switch, in_package
 from hostpool.integrations.sglang.labels import (
     current_pool,
     host_pool_class,
@@ -29,9 +28,6 @@ COMMON = "sglang.srt.mem_cache.pool_host.common"
 MMAP = "sglang.srt.mem_cache.storage.mmap.mmap_allocator"
 BASE = "sglang.srt.mem_cache.pool_host.base"
 
-_lock = threading.RLock()
-_installed = False
-_hook: PostImportHook | None = None
 # id(original) -> (original, replacement); built when sglang's modules load.
 _replacements: dict[int, tuple[Any, Any]] = {}
 # (module, attribute, original) and (class, "destroy", original) put back by uninstall().
@@ -42,18 +38,14 @@ is_sglang = in_package("sglang")
 
 
 def installed() -> bool:
-    return _installed
+    return _switch.installed
 
 
 def install() -> None:
     """Patch sglang in this process (now and for modules imported later). Idempotent."""
-    global _installed, _hook
-    with _lock:
-        if _installed:
+    with _switch.lock:
+        if not _switch.turn_on():
             return
-        _installed = True
-        _hook = PostImportHook(is_sglang, _after_late_import)
-        _hook.add()
         # The modules that define the originals first, then everything that imported them.
         first = [n for n in (MMAP, COMMON, BASE) if n in sys.modules]
         rest = sorted(n for n in list(sys.modules) if is_sglang(n) and n not in first)
@@ -65,14 +57,9 @@ def install() -> None:
 
 def uninstall() -> None:
     """Restore every patched attribute to sglang's original and remove the import hook."""
-    global _installed, _hook
-    with _lock:
-        if not _installed:
+    with _switch.lock:
+        if not _switch.turn_off():
             return
-        _installed = False
-        if _hook is not None:
-            _hook.remove()
-        _hook = None
         originals = {id(rep): orig for orig, rep in _replacements.values()}
         # Modules imported while installed hold replacements too: put originals back by
         # identity everywhere, not only where install() wrote.
@@ -93,10 +80,6 @@ def uninstall() -> None:
 
 
 # -- modules as they load ---------------------------------------------------------------
-def _after_late_import(module: types.ModuleType) -> None:
-    with _lock:
-        if _installed:
-            _after_import(module)
 
 
 def _after_import(module: types.ModuleType) -> None:
@@ -247,3 +230,6 @@ def _destroying(original: Callable[..., Any]) -> Callable[..., Any]:
     destroy.__name__ = getattr(original, "__name__", "destroy")
     destroy.__doc__ = getattr(original, "__doc__", None)
     return destroy
+
+
+_switch = Switch(is_sglang, _after_import)

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hostpool.base import events
-from hostpool.integrations.importhook import PostImportHook
+from hostpool.integrations.importhook import Switch
 from hostpool.integrations.vllm.recording import (
     Populate,
     VllmRegion,
@@ -56,9 +56,6 @@ REGION_MODULE = "vllm.v1.kv_offload.cpu.shared_offload_region"
 WORKER_MODULE = "vllm.v1.kv_offload.cpu.gpu_worker"
 
 
-_lock = threading.RLock()
-_installed = False
-_hook: PostImportHook | None = None
 # (class or module, attribute, original) put back by uninstall().
 _patched: list[tuple[Any, str, Any]] = []
 # vLLM's SharedOffloadRegion -> its record; vLLM's CPUOffloadingWorker -> owner id of
@@ -69,19 +66,15 @@ _populating = threading.local()  # .state: the Populate of the region __init__ o
 
 
 def installed() -> bool:
-    return _installed
+    return _switch.installed
 
 
 def install() -> None:
     """Record vLLM's offload memory in this process (now and for modules imported later).
     Idempotent."""
-    global _installed, _hook
-    with _lock:
-        if _installed:
+    with _switch.lock:
+        if not _switch.turn_on():
             return
-        _installed = True
-        _hook = PostImportHook(_is_target, _after_late_import)
-        _hook.add()
         for name in (REGION_MODULE, WORKER_MODULE):
             module = sys.modules.get(name)
             if isinstance(module, types.ModuleType):
@@ -96,14 +89,9 @@ def uninstall() -> None:
     worker still alive are released now (explicitly: nothing would watch its shutdown);
     their bytes stay visible while vLLM's views map them.
     """
-    global _installed, _hook
-    with _lock:
-        if not _installed:
+    with _switch.lock:
+        if not _switch.turn_off():
             return
-        _installed = False
-        if _hook is not None:
-            _hook.remove()
-        _hook = None
         for owner, attr, original in reversed(_patched):
             setattr(owner, attr, original)
         _patched.clear()
@@ -115,12 +103,6 @@ def uninstall() -> None:
 
 def _is_target(name: str) -> bool:
     return name in (REGION_MODULE, WORKER_MODULE)
-
-
-def _after_late_import(module: types.ModuleType) -> None:
-    with _lock:
-        if _installed:
-            _after_import(module)
 
 
 def _after_import(module: types.ModuleType) -> None:
@@ -200,7 +182,7 @@ def _region_init(original: Callable[..., None]) -> Callable[..., None]:
         except Exception as exc:  # a record must never stop vLLM
             untracked(exc)
             return
-        with _lock:
+        with _switch.lock:
             _regions[self] = region
 
     return __init__
@@ -222,7 +204,7 @@ def _region_cleanup(original: Callable[..., None]) -> Callable[..., None]:
         try:
             original(self)
         finally:
-            with _lock:
+            with _switch.lock:
                 region = _regions.pop(self, None)
             if region is not None:
                 from hostpool.core.ledger import get_ledger
@@ -242,8 +224,8 @@ def _worker_init(original: Callable[..., None]) -> Callable[..., None]:
         except BaseException:
             release_owner(owner)  # vLLM's constructor failed and dropped them
             raise
-        with _lock:
-            if _installed:
+        with _switch.lock:
+            if _switch.installed:
                 _workers[self] = owner
                 return
         release_owner(owner)  # uninstalled meanwhile: nothing will watch shutdown()
@@ -256,9 +238,12 @@ def _worker_shutdown(original: Callable[..., None]) -> Callable[..., None]:
         try:
             original(self)
         finally:
-            with _lock:
+            with _switch.lock:
                 owner = _workers.pop(self, None)
             if owner is not None:
                 release_owner(owner)
 
     return shutdown
+
+
+_switch = Switch(_is_target, _after_import)
