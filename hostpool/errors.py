@@ -69,5 +69,11 @@ class ShareError(HostPoolError):
     """A pool could not be shared or attached: refused, unsafe to map, or malformed."""
 
 
-class ShareSocketInUseError(ShareError):
+class UnavailableError(HostPoolError):
+    """A well-formed request that something on this host, held or short now, refuses: a
+    listen port in use (or an address not assigned), a live server at a socket path.
+    Retrying once it is free can succeed (the CLI exits 1, as for AllocationError)."""
+
+
+class ShareSocketInUseError(ShareError, UnavailableError):
     """A live server already answers at the share socket's path; it is left alone."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
 import subprocess
 import sys
 import textwrap
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -139,16 +142,162 @@ def test_pid_exports_the_prefixes_it_uses_until_the_process_exits(
     promtool_check(text)
 
 
-def test_missing_pid_exits_2_before_serving() -> None:
+def free_pid() -> int:
+    """A pid no process has now, below pid_max (so the kernel can hand it out)."""
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
-    result = subprocess.run(
-        [sys.executable, "-m", "hostpool", "exporter", "--pid", str(pid_max + 1), "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2
-    assert f"no process with pid {pid_max + 1}" in result.stderr
+    last = int(Path("/proc/sys/kernel/ns_last_pid").read_text())
+    for pid in [*range(last + 2000, pid_max - 1, 997), *range(300, last, 997)]:
+        if not Path(f"/proc/{pid}").exists():
+            return pid
+    raise AssertionError("no free pid")
+
+
+def born_with_pid(pid: int) -> subprocess.Popen[str] | None:
+    """A child that gets `pid` (root: the kernel's ns_last_pid picks the next pid), or
+    None when another fork on the host took it first."""
+    Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+    proc = subprocess.Popen(["sleep", "600"], text=True)
+    if proc.pid == pid:
+        return proc
+    proc.kill()
+    proc.wait()
+    return None
+
+
+def test_pid_of_a_process_not_started_yet_is_watched_until_it_starts() -> None:
+    pid = free_pid()
+    with exporting.running_exporter("--pid", str(pid)) as exporter:
+        assert exporter.serving["level"] == "info"  # startup is news, not a warning
+        assert exporter.serving["pid"] == pid
+        assert exporter.proc.stderr is not None
+        waiting = json.loads(exporter.proc.stderr.readline())
+        assert (waiting["event"], waiting["pid"], waiting["level"]) == (
+            "hostpool.exporter_waiting",
+            pid,
+            "info",
+        )
+        _, samples = scrape(exporter.url)
+        assert value(samples, "hostpool_exporter_target_up", pid=str(pid)) == 0
+        if os.geteuid() != 0:
+            return  # only root can have the kernel hand out a chosen pid
+        child = None
+        for _ in range(20):  # another fork on a busy host may take it first
+            child = born_with_pid(pid)
+            if child is not None:
+                break
+        if child is None:
+            pytest.skip(f"pid {pid} kept being taken by other processes")
+        try:
+            _, samples = scrape(exporter.url)
+            assert value(samples, "hostpool_exporter_target_up", pid=str(pid)) == 1
+        finally:
+            child.kill()
+            child.wait()
+        _, samples = scrape(exporter.url)
+        assert value(samples, "hostpool_exporter_target_up", pid=str(pid)) == 0
+        exporter.stop()
+
+
+def get(url: str) -> tuple[int, str, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return r.status, r.headers["Content-Type"], r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read().decode()
+
+
+def test_metrics_only_on_its_path_a_landing_page_and_healthz(
+    start_exporter: Callable[..., str],
+) -> None:
+    metrics = start_exporter("--match", "hostpool.")
+    base = metrics.removesuffix("/metrics")
+    status, kind, text = get(metrics)
+    assert status == 200 and "hostpool_exporter_processes" in text
+    status, kind, page = get(base + "/")
+    assert status == 200 and kind.startswith("text/html")
+    assert '<a href="/metrics">' in page and '<a href="/healthz">' in page
+    assert "hostpool_exporter" not in page
+    assert get(base + "/healthz")[::2] == (200, "ok\n")
+    for path in ("/healthz/x", "/metrics/", "/metricsx", "/debug/pools", "/favicon.ico"):
+        status, _, body = get(base + path)
+        assert status == 404, path
+        assert "hostpool_exporter" not in body and "/metrics" in body, path
+
+
+NO_PTRACE = ["setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-sys_ptrace"]
+
+
+@pytest.fixture
+def other_uid_child() -> Iterator[int]:
+    """A process of uid 65534 (forked: that uid cannot exec this interpreter), alive
+    until the test ends."""
+    ready_r, ready_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: nothing but syscalls, then wait for the parent to let go
+        try:
+            os.close(ready_r)
+            os.close(hold_w)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(ready_w, b"1")
+            os.read(hold_r, 1)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(hold_r)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        yield pid
+    finally:
+        os.close(hold_w)
+        os.close(ready_r)
+        os.waitpid(pid, 0)
+
+
+def unreadable_event(*args: str) -> dict[str, object]:
+    """`hostpool exporter ARGS` as root without CAP_SYS_PTRACE, scraped once: its
+    `hostpool.exporter_unreadable` event."""
+    exporter = subprocess.Popen(
+        [*NO_PTRACE, sys.executable, "-m", "hostpool", "exporter", *args, "--port", "0"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert exporter.stderr is not None
+    try:
+        serving = json.loads(exporter.stderr.readline())
+        assert serving["event"] == "hostpool.exporter_serving", serving
+        scrape(serving["url"])
+    finally:
+        exporter.terminate()
+        err = exporter.stderr.read()  # to EOF: SIGTERM is a clean stop
+        exporter.wait(timeout=60)
+    events = [json.loads(e) for e in err.splitlines() if e.startswith("{")]
+    found = [e for e in events if e["event"] == "hostpool.exporter_unreadable"]
+    assert len(found) == 1, err
+    event: dict[str, object] = found[0]
+    return event
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="no setpriv")
+def test_unreadable_processes_are_named_by_pid_without_advice_to_be_root(
+    root: None, other_uid_child: int
+) -> None:
+    """Root without CAP_SYS_PTRACE cannot read another uid's fds. Every message names
+    the pid(s) and what is missing, and none tells root to run as root."""
+    pid = other_uid_child
+    one = unreadable_event("--pid", str(pid))
+    assert (one["processes"], one["pids"]) == (1, [pid]), one
+    detail = str(one["detail"])
+    assert f"/proc/{pid}/" in detail and "CAP_SYS_PTRACE" in detail, one
+    assert "as root" not in detail, one
+
+    every = unreadable_event("--match", "hostpool.")
+    pids = every["pids"]
+    assert isinstance(pids, list) and (pid in pids or len(pids) == 10), every
+    assert len(pids) == min(int(str(every["processes"])), 10), every
+    assert str(every["detail"]).startswith(f"pid {pids[0]}: "), every
+    assert "as root" not in str(every["detail"]), every
 
 
 @pytest.mark.parametrize(

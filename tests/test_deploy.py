@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hostpool.cli.exitcodes import INVALID
 from tests import waiting
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,12 +76,18 @@ def _unit_paths() -> tuple[str, str]:
     return start.group(1), start.group(2)
 
 
-def test_systemd_unit_uses_the_installed_config_and_checks_first() -> None:
+def test_systemd_unit_uses_the_installed_config_and_retries_only_what_can_pass() -> None:
     text = UNIT.read_text()
     binary, config = _unit_paths()
     assert _installs()["deploy/hostpool/serve.toml"] == config
+    # the README's "Running as a service" makes the venv the unit runs
+    assert f"python3 -m venv {Path(binary).parents[1]}\n" in README
     assert _installs()[f"deploy/systemd/{UNIT.name}"] == f"/etc/systemd/system/{UNIT.name}"
-    assert f"ExecStartPre={binary} serve --check --config {config}" in text
+    # serve checks before it allocates; an ExecStartPre check would escape
+    # RestartPreventExitStatus (it applies to the main process only): a wrong config retried
+    assert "ExecStartPre=" not in text
+    assert re.findall(r"^RestartPreventExitStatus=(.*)$", text, re.M) == [str(INVALID)]
+    assert "Restart=on-failure" in text
     assert "KillSignal=SIGTERM" in text and "RuntimeDirectory=hostpool" in text
     server: dict[str, str] = _serve_config()["server"]  # type: ignore[assignment]
     assert server["share_socket"].startswith("/run/hostpool/")  # the unit's RuntimeDirectory

@@ -23,7 +23,7 @@ ALERTS = METRICS / "alerts.yml"
 RECORDING = METRICS / "recording.yml"
 CONFIG = METRICS / "prometheus.yml"
 UNIT_TESTS = sorted((METRICS / "tests").glob("*.yml"))
-RUNBOOK_BASE = "https://github.com/hostpool/hostpool/blob/main/README.md#"
+RUNBOOK_BASE = "file:///opt/hostpool/README.md#"
 SEVERITIES = {"critical", "warning", "info"}
 RECORD_NAME = re.compile(r"[a-z][a-z0-9_]*:[a-z][a-z0-9_]*:[a-z0-9_]+")
 

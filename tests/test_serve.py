@@ -248,7 +248,7 @@ def log_events(stderr: str) -> list[str]:
 
 def test_a_pool_bigger_than_the_host_is_refused_before_anything_is_allocated() -> None:
     proc = hostpool("serve", "--port", "0", "--pool", "kv=10TiB", importtime=True)
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # this host's memory: exit 1, as kv=22GiB
     assert "kv 10TiB" in proc.stderr and "MemTotal" in proc.stderr
     assert "hostpool.alloc" not in log_events(proc.stderr)
     assert not imported_torch(proc.stderr)
@@ -268,7 +268,7 @@ def test_a_port_in_use_is_reported_before_torch_or_allocation() -> None:
         busy.listen()
         port = busy.getsockname()[1]
         proc = hostpool("serve", "--port", str(port), "--pool", "kv=1MiB", importtime=True)
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # not now: systemd retries it
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in proc.stderr
     assert not imported_torch(proc.stderr)
     assert log_events(proc.stderr) == []
@@ -295,7 +295,7 @@ def test_check_validates_without_allocating() -> None:
     assert ok.stdout.startswith("ok: 1 pools (kv 1GiB (shm)); listen 127.0.0.1:0")
     assert not imported_torch(ok.stderr)
     bad = hostpool("serve", "--check", "--pool", "kv=10TiB")
-    assert bad.returncode == 2 and "MemTotal" in bad.stderr and bad.stdout == ""
+    assert bad.returncode == 1 and "MemTotal" in bad.stderr and bad.stdout == ""
 
 
 @pytest.mark.parametrize(
@@ -363,6 +363,11 @@ def _share_socket_problem(tmp_path: os.PathLike[str], problem: str) -> tuple[str
 SHARE_SOCKET_PROBLEMS = ["in-use", "too-long", "proc", "proc-dir", "not-a-socket"]
 
 
+def _share_socket_status(problem: str) -> int:
+    """A live server holds the path (1: not now, retried); the others are wrong paths (2)."""
+    return 1 if problem == "in-use" else 2
+
+
 @pytest.mark.parametrize("problem", SHARE_SOCKET_PROBLEMS)
 def test_share_socket_problems_fail_check_in_one_line(
     tmp_path: os.PathLike[str], problem: str
@@ -374,7 +379,7 @@ def test_share_socket_problems_fail_check_in_one_line(
     finally:
         if isinstance(keep, socket.socket):
             keep.close()
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == _share_socket_status(problem), proc.stderr
     assert proc.stdout == ""
     assert names in proc.stderr and "share" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
@@ -391,7 +396,7 @@ def test_share_socket_problems_are_found_before_any_populate(
     finally:
         if isinstance(keep, socket.socket):
             keep.close()
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == _share_socket_status(problem), proc.stderr
     said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
     assert len(said) == 1 and names in said[0], said
     assert not imported_torch(proc.stderr)  # refused before torch, let alone a page

@@ -1,8 +1,12 @@
 """The `hostpool` command: serve, inspect, exporter, doctor, run.
 
-Exit codes: 0 ok, 1 runtime failure or failed check, 2 usage or bad input.
-Logs go to stderr, data to stdout. Each subcommand lives in its own module with
-`add_parser(subparsers)` and `run(args) -> int`. The global flags (`--log-level`,
+Exit codes, one rule for every subcommand (hostpool.cli.exitcodes): 0 ok (a check
+passed); 1 the input is right but this host cannot do it now (port in use, share socket
+held by a live server, not enough memory or hugepages, /dev/shm short, a failed check,
+a failure at run time); 2 the input is wrong (a bad flag or value, a missing or
+malformed config, pools over their own budget). Logs go to stderr, data to stdout.
+Each subcommand lives in its own module with `add_parser(subparsers)` and
+`run(args) -> int`. The global flags (`--log-level`,
 `--log-format`) are accepted before or after the subcommand.
 """
 
@@ -11,11 +15,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import NoReturn
 
+from hostpool.cli.exitcodes import EPILOG, for_error
 from hostpool.cli.logsetup import FORMATS, LEVELS
-from hostpool.errors import ConfigError, InvalidRequestError
+from hostpool.errors import HostPoolError
 
 # Subcommand name -> module under hostpool.cli. Imported lazily so `hostpool doctor`
 # does not pay for torch when it does not need it.
@@ -63,7 +69,7 @@ def _global_flags(parser: argparse.ArgumentParser, *, default: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="hostpool", description=__doc__.splitlines()[0])
+    parser = Parser(prog="hostpool", description=__doc__.splitlines()[0], epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"hostpool {_version()}")
     _global_flags(parser, default=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -77,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_parser(sub)
     for subparser in sub.choices.values():
         _global_flags(subparser, default=False)
+        if subparser.epilog is None:  # pre-wrapped: some keep their text as written
+            subparser.epilog = textwrap.fill(EPILOG, 79)
     return parser
 
 
@@ -88,9 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format)
     try:
         code: int = args.run(args)
-    except (InvalidRequestError, ConfigError) as exc:
+    except HostPoolError as exc:  # one line; the status by cause (exitcodes.for_error)
         print(f"hostpool {args.command}: {exc}", file=sys.stderr)
-        return 2
+        return for_error(exc)
     except KeyboardInterrupt:
         return 130
     return code

@@ -10,7 +10,15 @@ from hostpool.base.units import format_size, parse_size
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("doctor", help="report what this host supports (exit 1 if --need fails)")
+    p = sub.add_parser(
+        "doctor",
+        help="report what this host supports (exit 1 if --need fails)",
+        description="Report what this host offers hostpool: kernel, memfd and sealing, "
+        "MADV_POPULATE_WRITE, memory, hugepages per size, THP, /dev/shm, rlimits, the cgroup "
+        "limit, CUDA, and what allocations with --hugepages/--hugepage-size would get. With "
+        "--need SIZE (or --hugepages required) it is a check: exit 1 when this host cannot "
+        "hold it now, naming each problem.",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--hugepages", default="prefer", choices=("off", "prefer", "required"))
     p.add_argument("--hugepage-size", default="2MB")

@@ -1,4 +1,11 @@
-"""`hostpool exporter`: serve Prometheus metrics of other processes' shm, read from /proc."""
+"""`hostpool exporter`: serve Prometheus metrics of other processes' shm, read from /proc.
+
+Endpoints: `/metrics` (only there), `/healthz` (200 while it serves), `/` a page listing
+them; any other path is a 404. `--pid` of a process that does not exist (yet) is
+accepted: `hostpool_exporter_target_up` is 0 until it does (and again once it exits).
+Exit status as every subcommand (hostpool.cli.exitcodes): 1 when the port is in use or
+the --pid process may not be read, 2 for a wrong flag or value.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ from types import FrameType
 from typing import Any
 
 from hostpool.base import events
-from hostpool.errors import ConfigError
+from hostpool.cli.exitcodes import INVALID, NOT_NOW
 from hostpool.proc import procfs
 from hostpool.proc.textsafe import printable
 
@@ -27,10 +34,16 @@ def add_parser(sub: Any) -> None:
         "exporter",
         help="metrics of other processes' shared-memory fds and mappings, from /proc",
         description="Serve /metrics for processes that do not embed hostpool: per prefix and "
-        "pool, their shm fds, mapped and resident bytes, read at scrape time.",
+        "pool, their shm fds, mapped and resident bytes, read at scrape time. Also /healthz, "
+        "and / lists the endpoints. --pid of a process that does not exist yet is accepted "
+        "(hostpool_exporter_target_up 0 until it does).",
     )
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--pid", type=_pid, help="one process, every known name prefix")
+    target.add_argument(
+        "--pid",
+        type=_pid,
+        help="one process, every known name prefix (it may start later: target_up 0 till then)",
+    )
     target.add_argument(
         "--match",
         action="append",
@@ -64,19 +77,20 @@ def run(args: argparse.Namespace) -> int:
 
     from hostpool.metrics.exporter import ProcfsCollector
     from hostpool.net.listener import Listener, bind
+    from hostpool.net.routes import Route, routed_app, text_app
 
+    if args.match is not None and not all(args.match):
+        print("hostpool exporter: --match needs a non-empty prefix", file=sys.stderr)
+        return INVALID
+    absent: procfs.ProcessNotFoundError | None = None
     if args.pid is not None:
         try:
             procfs.check_readable(args.pid)
         except procfs.ProcessNotFoundError as exc:
-            print(f"hostpool exporter: {exc}", file=sys.stderr)
-            return 2
+            absent = exc  # served as target_up 0 until a process has that pid
         except procfs.ProcessAccessError as exc:
-            print(f"hostpool exporter: {exc}", file=sys.stderr)
-            return 1
-    if args.match is not None and not all(args.match):
-        print("hostpool exporter: --match needs a non-empty prefix", file=sys.stderr)
-        return 2
+            print(f"hostpool exporter: cannot read pid {args.pid}: {exc}", file=sys.stderr)
+            return NOT_NOW
 
     registry = CollectorRegistry(auto_describe=True)
     registry.register(
@@ -87,11 +101,17 @@ def run(args: argparse.Namespace) -> int:
             scrape_budget=args.scrape_budget,
         )
     )
-    try:
-        http = Listener(bind(args.host, args.port)).serve(make_wsgi_app(registry))
-    except ConfigError as exc:  # deadlines and a connection cap: see hostpool.net.listener
-        print(f"hostpool exporter: {exc}", file=sys.stderr)
-        return 1
+    app = routed_app(
+        "hostpool exporter",
+        [
+            Route(
+                "/metrics", "Prometheus metrics of the watched processes", make_wsgi_app(registry)
+            ),
+            Route("/healthz", "200 ok while the exporter serves", text_app("ok\n")),
+        ],
+    )
+    # a port in use is an UnavailableError: one line and exit 1, from main()
+    http = Listener(bind(args.host, args.port)).serve(app)
 
     stop = threading.Event()
 
@@ -100,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    events.warning(  # the one line an operator needs, printed even unconfigured
+    events.info(
         "hostpool.exporter_serving",
         url=f"http://{http.url_host}:{http.address[1]}/metrics",
         pid=args.pid,
@@ -108,6 +128,13 @@ def run(args: argparse.Namespace) -> int:
         command=printable(procfs.command_name(args.pid) or "?") if args.pid else None,
         match=args.match,
     )
+    if absent is not None:
+        events.info(
+            "hostpool.exporter_waiting",
+            pid=args.pid,
+            detail="no process has this pid yet: hostpool_exporter_target_up is 0 until one "
+            "does" + (f" ({absent.hint})" if absent.hint else ""),
+        )
     stop.wait()
     http.stop()
     return 0

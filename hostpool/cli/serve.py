@@ -16,7 +16,13 @@ from types import FrameType
 from typing import Any
 
 from hostpool.base import events
-from hostpool.errors import AllocationError, Cancelled, ConfigError, HostPoolError, ShareError
+from hostpool.errors import (
+    Cancelled,
+    ConfigError,
+    HostPoolError,
+    ShareSocketInUseError,
+    UnavailableError,
+)
 from hostpool.serve import config as serve_config
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -61,15 +67,23 @@ def add_parser(sub: Any) -> None:
         help="also share the pools with other processes over a Unix socket at PATH (e.g. "
         "/run/hostpool/share.sock); peers call hostpool.share.attach(PATH, POOL). A missing "
         "parent directory is created private (0700); an existing one is left as it is. A "
-        "path that cannot be used (too long, in use, on /proc) is refused before any pool "
-        "is allocated, and by --check (exit 2)",
+        "path that cannot be used is refused before any pool is allocated, and by --check: "
+        "exit 2 when the path is wrong (too long, on /proc), 1 when a live server holds it",
     )
     p.add_argument("--demo-load", action="store_true", help="run a demo workload")
     p.add_argument(
         "--check",
         action="store_true",
-        help="validate the configuration, the sizes against this host and the port, then "
-        "exit (0 ok, 1 does not fit now, 2 invalid) without allocating",
+        help="validate the configuration, the sizes against this host, the port and the "
+        "share socket, then exit without allocating: 0 ok, 1 this host cannot run it now "
+        "(memory, hugepages, the port or share socket in use), 2 the configuration is wrong",
+    )
+    p.add_argument(
+        "--no-port-check",
+        action="store_true",
+        help="with --check: do not check that the listen port and the share socket are free "
+        "(to check a new configuration beside the running service, which holds both); "
+        "everything else is checked, and the output line says what was not",
     )
     p.set_defaults(run=run)
 
@@ -144,29 +158,46 @@ def run(args: argparse.Namespace) -> int:
     from hostpool.net import listener
     from hostpool.serve import preflight
 
+    if args.no_port_check and not args.check:
+        raise ConfigError("--no-port-check goes with --check (serve itself needs the port)")
     cfg = build_config(args)
+    skip_addresses = args.check and args.no_port_check
     try:
         preflight.check(cfg)
-    except AllocationError as exc:
-        print(f"hostpool serve: {exc}", file=sys.stderr)
-        return 1
-    except ShareError as exc:  # a live server at the share socket: bad input, as a busy port
-        print(f"hostpool serve: {exc}", file=sys.stderr)
-        return 2
-    sock = listener.bind(cfg.host, cfg.port)
+    except ShareSocketInUseError as exc:
+        # the last thing preflight checks: everything before it passed
+        if not skip_addresses:
+            raise ShareSocketInUseError(_beside(exc, args.check)) from None
+    # Errors go to main(): one line, exit 1 (this host, now) or 2 (the input), by type.
     if args.check:
-        sock.close()
         from hostpool.base.units import format_size
 
+        if skip_addresses:
+            where = f"listen {cfg.host}:{cfg.port} not checked (--no-port-check)"
+            if cfg.share_socket:
+                where += f", share socket {cfg.share_socket} not checked for a live server"
+        else:
+            try:
+                listener.bind(cfg.host, cfg.port).close()
+            except UnavailableError as exc:
+                raise UnavailableError(_beside(exc, True)) from None
+            where = f"listen {cfg.host}:{cfg.port}"
         pools = ", ".join(f"{p.name} {format_size(p.size)} ({p.allocator})" for p in cfg.pools)
-        print(f"ok: {len(cfg.pools)} pools ({pools}); listen {cfg.host}:{cfg.port}")
+        print(f"ok: {len(cfg.pools)} pools ({pools}); {where}")
         return 0
+    sock = listener.bind(cfg.host, cfg.port)
     stop = _Stop()
     try:
         return _serve(cfg, sock, stop)
     finally:
         for sig in _STOP_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
+
+
+def _beside(exc: Exception, check: bool) -> str:
+    """The error's text, plus for --check how to check the rest beside a running service."""
+    hint = " (beside the running service, --check --no-port-check checks everything else)"
+    return f"{exc}{hint if check else ''}"
 
 
 def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:

@@ -12,7 +12,7 @@ any process using hostpool-named memfds): `hostpool exporter --match PREFIX` or
 | `hostpool_exporter_mappings` | prefix, pool | mappings (VMAs split by madvise count once) |
 | `hostpool_exporter_pools_folded` | prefix | pools summed into `pool="_other"` (over the cap) |
 | `hostpool_exporter_processes` | prefix | `--match` only: processes holding a match |
-| `hostpool_exporter_target_up` | pid | `--pid` only: 1 while the process exists, 0 once it exited |
+| `hostpool_exporter_target_up` | pid | `--pid` only: 1 while the process exists, else 0 |
 | `hostpool_exporter_scrape_duration_seconds` | | time this scrape spent reading /proc |
 | `hostpool_exporter_scrape_truncated` | | 1 when the scrape hit its time budget (partial sums) |
 
@@ -29,7 +29,8 @@ included), the same measure as `hostpool_resident_bytes`; for an object a proces
 without holding an fd for it, the Rss and hugetlb pages of its mappings (smaps). Sums over
 processes count an object shared by two processes twice (each maps it).
 Processes this user may not read are skipped; the first scrape that meets one logs
-`hostpool.exporter_unreadable` with what is missing. A process that exits while it is
+`hostpool.exporter_unreadable` with their count, their pids (the first ten) and what
+this process lacks to read the first one. A process that exits while it is
 being read is skipped.
 
 Each scrape reads /proc within a time budget (`scrape_budget`, default 5 s, half of
@@ -51,7 +52,7 @@ from prometheus_client.registry import Collector
 
 from hostpool.base import events
 from hostpool.errors import ConfigError
-from hostpool.proc import names, procfs, procgroup, scan
+from hostpool.proc import names, procaccess, procfs, procgroup, scan
 from hostpool.proc.textsafe import printable
 
 LABELS = ["prefix", "pool"]
@@ -210,7 +211,7 @@ class ProcfsCollector(Collector):
             except procfs.ProcessNotFoundError:
                 return [], False, False  # it exited: its gauges go, target_up drops to 0
             except procfs.ProcessAccessError as exc:
-                self._warn_unreadable(1, str(exc))
+                self._warn_unreadable([self.pid], 1, str(exc))
                 return [], True, False
             finally:
                 self._matcher.next_scan()
@@ -219,18 +220,28 @@ class ProcfsCollector(Collector):
             complete = complete and holdings.complete
             return [procgroup.holdings_totals(holdings)], True, not complete
         result = procgroup.scan_totals(self._matcher, deadline=deadline)
-        if result.unreadable:
+        if result.unreadable and not self._warned_unreadable:
+            first = result.unreadable_pids[0]
+            try:
+                why = procaccess.why_denied(first)
+            except OSError:
+                why = "it exited since"
             self._warn_unreadable(
+                result.unreadable_pids,
                 result.unreadable,
-                "run as root with CAP_SYS_PTRACE, or as the servers' user "
-                "(`hostpool inspect PID` of one says what is missing)",
+                f"pid {first}: {why} (`hostpool inspect PID` says what is missing for another)",
             )
         return [pools for _pid, pools in result.processes], True, result.truncated
 
-    def _warn_unreadable(self, count: int, detail: str) -> None:
+    def _warn_unreadable(self, pids: list[int], count: int, detail: str) -> None:
+        """Once: how many processes could not be read, their pids (the first few) and
+        what this process lacks to read the first, in its own words (no advice to run as
+        root to a process that is root)."""
         if not self._warned_unreadable:
             self._warned_unreadable = True
-            events.warning("hostpool.exporter_unreadable", processes=count, detail=detail)
+            events.warning(
+                "hostpool.exporter_unreadable", processes=count, pids=pids, detail=detail
+            )
 
     @staticmethod
     def _families() -> Iterator[GaugeMetricFamily]:
@@ -267,7 +278,8 @@ class ProcfsCollector(Collector):
         )
         yield GaugeMetricFamily(
             "hostpool_exporter_target_up",
-            "1 while the --pid process exists, 0 once it exited (--pid only).",
+            "1 while the --pid process exists, 0 before it started and once it exited "
+            "(--pid only).",
             labels=["pid"],
         )
         yield GaugeMetricFamily(

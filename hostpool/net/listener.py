@@ -29,7 +29,7 @@ from waitress.channel import HTTPChannel
 from waitress.server import TcpWSGIServer
 
 from hostpool.base import events
-from hostpool.errors import ConfigError
+from hostpool.errors import ConfigError, UnavailableError
 from hostpool.net.guard import (
     FD_SHORTAGE,
     Backoff,
@@ -51,7 +51,9 @@ _FD_SHORTAGE_PAUSE = 0.1  # seconds without accepting when no connection can be 
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port; a ConfigError names what failed."""
+    """A listening TCP socket on host:port. A host or port that is not one (a name that
+    does not resolve) is a ConfigError; a refusal to bind or listen (the port in use, the
+    address not assigned here, a privileged port) an UnavailableError: both name it."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, OverflowError, UnicodeError) as exc:
@@ -66,7 +68,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock.listen(1024)
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise UnavailableError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     return sock
 
 

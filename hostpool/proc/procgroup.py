@@ -243,6 +243,9 @@ def holdings_totals(holdings: Holdings) -> dict[tuple[str, str], PoolTotals]:
     return out
 
 
+UNREADABLE_PIDS_KEPT = 10  # pids a scan names of those it could not read
+
+
 @dataclass
 class TotalsScan:
     """Per-pool totals of every readable process holding a match, read within a deadline."""
@@ -250,6 +253,7 @@ class TotalsScan:
     processes: list[tuple[int, dict[tuple[str, str], PoolTotals]]] = field(default_factory=list)
     unreadable: int = 0  # processes whose /proc entries this user may not read
     truncated: bool = False  # the deadline passed before every process was read in full
+    unreadable_pids: list[int] = field(default_factory=list)  # the first few of them
 
 
 def scan_totals(matcher: Matcher, *, deadline: float | None = None) -> TotalsScan:
@@ -275,6 +279,8 @@ def scan_totals(matcher: Matcher, *, deadline: float | None = None) -> TotalsSca
             continue
         except ProcessAccessError:
             result.unreadable += 1
+            if len(result.unreadable_pids) < UNREADABLE_PIDS_KEPT:
+                result.unreadable_pids.append(pid)
             continue
         if holdings.objects or holdings.unmapped_fds:
             read.append(holdings)

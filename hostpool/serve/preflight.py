@@ -1,10 +1,12 @@
 """Before anything is allocated: does the whole configuration fit this host?
 
 Runs without torch, in milliseconds, so a typo such as `--pool kv=10TiB` is refused
-before a single page is populated. What can never fit (more than the budget, the host's
-memory, the cgroup limit, or a hugetlb pool that does not exist) is a ConfigError;
-what does not fit now (MemAvailable, free hugepages) is the AllocationError the first
-allocation would have raised, from the same admission check the manager uses.
+before a single page is populated. What contradicts the configuration itself (pools
+over its own `server.budget` or `server.host_budget`) is a ConfigError (the CLI exits
+2); what this host cannot hold is an AllocationError (exit 1), whether it never could
+(more than MemTotal, the cgroup limit, no hugepages of the size or too few reserved:
+the host must change) or cannot now (MemAvailable, free hugepages: the error the first
+allocation would have raised, from the same admission check the manager uses).
 
 So is every problem of the share socket's path (too long, on /proc or a read-only
 filesystem, an unsafe directory, something else or a live server there): ConfigError,
@@ -15,7 +17,12 @@ from __future__ import annotations
 
 from hostpool.base.units import format_size
 from hostpool.core.budget import Admission
-from hostpool.errors import ConfigError, HostPoolError
+from hostpool.errors import (
+    AllocationError,
+    ConfigError,
+    HostPoolError,
+    HugepageUnavailableError,
+)
 from hostpool.memory import cgroup, kernel
 from hostpool.memory.options import RegionOptions
 from hostpool.serve.config import PoolSpec, ServeConfig
@@ -36,7 +43,8 @@ def _listing(pools: list[PoolSpec]) -> str:
 
 
 def check(cfg: ServeConfig) -> None:
-    """Raise ConfigError or AllocationError unless every pool can be allocated now, and
+    """Raise ConfigError (the configuration contradicts itself) or AllocationError (this
+    host cannot hold it) unless every pool can be allocated now, and
     ConfigError or ShareSocketInUseError unless the share socket can be claimed."""
     total = sum(p.size for p in cfg.pools)
     every = _listing(list(cfg.pools))
@@ -53,30 +61,41 @@ def check(cfg: ServeConfig) -> None:
     normal_bytes = sum(p.size for p in normal)
     mem_total = kernel.meminfo().get("MemTotal", 0)
     if normal_bytes > mem_total:
-        raise ConfigError(
+        raise AllocationError(
             f"pools need {format_size(normal_bytes)} ({_listing(normal)}), more than this "
-            f"host's memory ({format_size(mem_total)} MemTotal)"
+            f"host's memory ({format_size(mem_total)} MemTotal)",
+            reason="no_memory",
+            need_bytes=normal_bytes,
+            available_bytes=mem_total,
+            limit_bytes=mem_total,
         )
     cg = cgroup.memory_limit()
     if cg is not None and normal_bytes > cg.limit:
-        raise ConfigError(
+        raise AllocationError(
             f"pools need {format_size(normal_bytes)} ({_listing(normal)}), more than the "
-            f"cgroup memory limit {format_size(cg.limit)} ({cg.source})"
+            f"cgroup memory limit {format_size(cg.limit)} ({cg.source})",
+            reason="no_memory",
+            need_bytes=normal_bytes,
+            limit_bytes=cg.limit,
         )
     pools = kernel.hugepage_pools()
     for size, specs in huge.items():
         need = sum(-(-p.size // size) * size for p in specs)
         pool = pools.get(size)
         if pool is None:
-            raise ConfigError(
+            raise HugepageUnavailableError(
                 f"pools {_listing(specs)} require {format_size(size)} hugepages; this host "
-                f"has none of that size (sizes: {[format_size(s) for s in sorted(pools)]})"
+                f"has none of that size (sizes: {[format_size(s) for s in sorted(pools)]})",
+                need_bytes=need,
+                available_bytes=0,
             )
         if need > pool.total * size:
-            raise ConfigError(
+            raise HugepageUnavailableError(
                 f"pools {_listing(specs)} require {need // size} hugepages of "
                 f"{format_size(size)}; {pool.total} are reserved in /sys/kernel/mm/hugepages/"
-                f"hugepages-{size // 1024}kB/nr_hugepages"
+                f"hugepages-{size // 1024}kB/nr_hugepages",
+                need_bytes=need,
+                limit_bytes=pool.total * size,
             )
     # What fits now: the manager's own admission check, for the whole configuration.
     admission = Admission(None, lambda: 0)

@@ -1,0 +1,105 @@
+"""Docs that lead somewhere: every README section, repository file and `make` target that
+a file in deploy/, metrics/ or docs/ names exists (the systemd unit once named a README
+section and a `make install` that did not)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+REFERRING = sorted(
+    f for d in ("deploy", "metrics", "docs") for f in (ROOT / d).rglob("*") if f.is_file()
+)
+
+# README.md#anchor (also inside file:///opt/hostpool/README.md#anchor URLs)
+ANCHOR = re.compile(r"README\.md#([\w-]+)")
+# README "Section" / the README's "Section" / README.md, section "Section"
+SECTION = re.compile(r"README(?:'s|\.md)?,? (?:section )?\"([^\"]+)\"")
+# a repository file: a top-level folder, then a name with an extension; not part of a
+# longer path (/var/lib/grafana/dashboards/hostpool is Grafana's, not ours)
+PATH = re.compile(
+    r"(?<![\w/.~$-])((?:bench|dashboards|deploy|docs|hostpool|metrics|requirements|tests|tools)"
+    r"/[\w./*-]*\.\w+)"
+)
+MAKE = re.compile(r"`make ([\w-]+)")
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def headings() -> dict[str, str]:
+    """README heading text -> its anchor."""
+    return {h: github_anchor(h) for h in re.findall(r"^#{1,6} (.+?)\s*$", README, re.M)}
+
+
+def make_targets() -> set[str]:
+    text = (ROOT / "Makefile").read_text()
+    return set(re.findall(r"^([\w-]+):", text, re.M))
+
+
+def references(pattern: re.Pattern[str]) -> list[tuple[str, str]]:
+    return [
+        (str(f.relative_to(ROOT)), m.group(1))
+        for f in REFERRING
+        for m in pattern.finditer(f.read_text(errors="replace"))
+    ]
+
+
+def test_the_patterns_find_what_they_are_for() -> None:
+    """Each pattern on a sample: a check that finds nothing checks nothing."""
+    sample = (
+        'see the README\'s "Running as a service" (README.md#running-as-a-service), '
+        "deploy/hostpool/serve.toml, /var/lib/grafana/dashboards/hostpool/x.json and "
+        "`make install`"
+    )
+    assert [m.group(1) for m in ANCHOR.finditer(sample)] == ["running-as-a-service"]
+    assert [m.group(1) for m in SECTION.finditer(sample)] == ["Running as a service"]
+    assert [m.group(1) for m in PATH.finditer(sample)] == ["deploy/hostpool/serve.toml"]
+    assert [m.group(1) for m in MAKE.finditer(sample)] == ["install"]
+    assert github_anchor("Running it: Prometheus, Grafana, systemd") == (
+        "running-it-prometheus-grafana-systemd"
+    )
+    # and on the real files: the unit, the alerts and the Grafana provisioning refer
+    assert {f for f, _ in references(ANCHOR)} >= {
+        "deploy/systemd/hostpool-serve.service",
+        "metrics/alerts.yml",
+        "deploy/grafana/provisioning/datasources/hostpool.yaml",
+        "deploy/grafana/provisioning/dashboards/hostpool.yaml",
+    }
+
+
+@pytest.mark.parametrize(("source", "anchor"), references(ANCHOR))
+def test_every_readme_anchor_exists(source: str, anchor: str) -> None:
+    assert anchor in headings().values(), f"{source}: README.md#{anchor} has no heading"
+
+
+@pytest.mark.parametrize(("source", "section"), references(SECTION))
+def test_every_readme_section_named_exists(source: str, section: str) -> None:
+    assert section in headings(), f'{source}: the README has no section "{section}"'
+
+
+@pytest.mark.parametrize(("source", "path"), references(PATH))
+def test_every_repository_path_exists(source: str, path: str) -> None:
+    # from the repository root, or from the naming file's folder (metrics/README.md: tests/)
+    bases = (ROOT, (ROOT / source).parent)
+    assert any(any(base.glob(path)) for base in bases), f"{source} names {path}: not there"
+
+
+@pytest.mark.parametrize(("source", "target"), references(MAKE))
+def test_every_make_target_exists(source: str, target: str) -> None:
+    assert target in make_targets(), f"{source}: `make {target}` is not a Makefile target"
+
+
+def test_runbook_urls_point_into_this_readme() -> None:
+    alerts = (ROOT / "metrics" / "alerts.yml").read_text()
+    urls = re.findall(r"runbook_url: (\S+)", alerts)
+    assert urls and all(u.startswith("file:///opt/hostpool/README.md#") for u in urls), urls
+    runbook = README.split("\n## Runbook\n", 1)[1].split("\n## ", 1)[0]
+    sections = {github_anchor(h) for h in re.findall(r"^### (.+?)\s*$", runbook, re.M)}
+    assert {u.split("#", 1)[1] for u in urls} <= sections
