@@ -9,9 +9,9 @@ must have the hook: otherwise nothing would be instrumented and nothing would sa
 starts Python, say) are run as given.
 
 CMD replaces this process (exec), so the exit status is CMD's own. When CMD cannot be
-started: 2 if none or an empty one is given, an `--only` name is unknown, CMD is not found
-or not executable, or its interpreter lacks the hook; 1 for any other failure; one line on
-stderr each."""
+started (`hostpool.cli.exitcodes`): 2 if none or an empty one is given, an `--only` name
+is unknown, or CMD is not found or not executable; 1 if its interpreter lacks the hook
+(install hostpool into it) and for any other failure; one line on stderr each."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import subprocess
 import sys
 from typing import Any
 
+from hostpool.cli.exitcodes import INVALID, NOT_NOW
 from hostpool.integrations import ENV, KNOWN, requested
 
 HOOK_FILE = "hostpool-instrument.pth"
@@ -36,7 +37,7 @@ _HAS_HOOK = (
 class RunError(Exception):
     """CMD cannot be run as asked; `code` is the exit status."""
 
-    def __init__(self, message: str, code: int = 2) -> None:
+    def __init__(self, message: str, code: int = INVALID) -> None:
         super().__init__(message)
         self.code = code
 
@@ -92,15 +93,16 @@ def check_hook(interpreter: str) -> None:
             [interpreter, "-I", "-c", _HAS_HOOK], capture_output=True, timeout=60, check=False
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise RunError(f"cannot ask {interpreter} for its site-packages: {exc}", 1) from exc
+        raise RunError(f"cannot ask {interpreter} for its site-packages: {exc}", NOT_NOW) from exc
     if probe.returncode == 3:
         raise RunError(
             f"{interpreter} has no hostpool hook ({HOOK_FILE} is not in its site-packages), "
             f"so nothing would be instrumented: install hostpool into it "
-            f"({interpreter} -m pip install hostpool) or run CMD with the Python that has it"
+            f"({interpreter} -m pip install hostpool) or run CMD with the Python that has it",
+            NOT_NOW,
         )
     if probe.returncode != 0:
-        raise RunError(f"cannot ask {interpreter} for its site-packages", 1)
+        raise RunError(f"cannot ask {interpreter} for its site-packages", NOT_NOW)
 
 
 def _names(only: str | None) -> list[str]:
