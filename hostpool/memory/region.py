@@ -158,6 +158,23 @@ def close_if_same(fd: int, dev_ino: tuple[int, int] | None) -> bool:
     return True
 
 
+def dup_if_same(fd: int, dev_ino: tuple[int, int]) -> int | None:
+    """A dup of `fd` if it (still) names the inode `dev_ino`, else None (closed, or its
+    number names another file now); the caller closes the dup. Raises OSError other than
+    EBADF (out of fds: EMFILE, ENFILE)."""
+    try:
+        dup = os.dup(fd)
+    except OSError as exc:
+        if exc.errno == errno.EBADF:  # closed since the number was read
+            return None
+        raise
+    st = os.fstat(dup)
+    if (st.st_dev, st.st_ino) != dev_ino:
+        os.close(dup)
+        return None
+    return dup
+
+
 def _mapping_gone(
     fd_box: list[int],
     on_unmapped: Callable[..., None] | None,
@@ -302,17 +319,7 @@ class Region:
         fd = self.fd
         if fd is None or self.dev_ino is None:
             return None
-        try:
-            dup = os.dup(fd)
-        except OSError as exc:
-            if exc.errno == errno.EBADF:  # closed since self.fd was read
-                return None
-            raise
-        st = os.fstat(dup)
-        if (st.st_dev, st.st_ino) != self.dev_ino:
-            os.close(dup)
-            return None
-        return dup
+        return dup_if_same(fd, self.dev_ino)
 
     def resident_bytes(self) -> int:
         """Bytes of this region backed by memory now; 0 once it is gone.

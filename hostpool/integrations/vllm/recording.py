@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hostpool.base import events
-from hostpool.memory.region import Region
+from hostpool.memory.region import Region, dup_if_same
 
 POOL = "vllm_offload"
 REGION_ALLOCATOR = "vllm_shared_region"
@@ -79,14 +79,9 @@ class VllmRegion(Region):
 
     def borrow_fd(self) -> int | None:
         fd = self.fd
-        if fd is None:
+        if fd is None or self.dev_ino is None:
             return None
-        dup = os.dup(fd)
-        st = os.fstat(dup)
-        if (st.st_dev, st.st_ino) != self.dev_ino:
-            os.close(dup)
-            return None
-        return dup
+        return dup_if_same(fd, self.dev_ino)
 
     def resident_bytes(self) -> int:
         return self.scrape()[1]
@@ -114,7 +109,6 @@ def record_region(source: Any, seconds: float, populate: Populate) -> VllmRegion
     this rank's own, `populate` what its populate did), as a VllmRegion in the ledger;
     returns the record. Raises what fstat or a malformed `source` raises."""
     from hostpool.core.ledger import get_ledger
-    from hostpool.core.records import capture_stack
 
     fd = source.fd
     mm = source.mmap_obj
@@ -149,16 +143,7 @@ def record_region(source: Any, seconds: float, populate: Populate) -> VllmRegion
     # collected (its fd stays open: vLLM closes it only in cleanup()).
     gone = functools.partial(mapping_gone, ledger.unmapped_callback(), weakref.ref(source), rid)
     weakref.finalize(mm, gone).atexit = False
-    ledger.add_pool(POOL)
-    ledger.record(
-        region,
-        allocator=REGION_ALLOCATOR,
-        owner=rid,
-        stack=capture_stack() if ledger.track_stacks else None,
-        seconds=seconds,
-        dims=(nbytes,),
-        dtype="torch.int8",
-    )
+    _into_ledger(ledger, region, REGION_ALLOCATOR, rid, seconds, (nbytes,), "torch.int8")
     events.info(
         "hostpool.vllm.recorded",
         pool=POOL,
@@ -239,21 +224,11 @@ def record_tensor(tensor: Any, owner: int) -> Any:
     """Record a CPU tensor vLLM made as a foreign region of `owner`; returns the view
     over it that vLLM keeps instead."""
     from hostpool.core.ledger import get_ledger
-    from hostpool.core.records import capture_stack
     from hostpool.memory.foreign import adopt
 
     ledger = get_ledger()
     region, view = adopt(tensor, POOL, ledger.unmapped_callback())
-    ledger.add_pool(POOL)
-    ledger.record(
-        region,
-        allocator=TENSOR_ALLOCATOR,
-        owner=owner,
-        stack=capture_stack() if ledger.track_stacks else None,
-        seconds=0.0,
-        dims=tuple(view.shape),
-        dtype=str(view.dtype),
-    )
+    _into_ledger(ledger, region, TENSOR_ALLOCATOR, owner, 0.0, tuple(view.shape), str(view.dtype))
     events.info(
         "hostpool.vllm.recorded",
         pool=POOL,
@@ -261,3 +236,26 @@ def record_tensor(tensor: Any, owner: int) -> Any:
         bytes=region.mapped_bytes,
     )
     return view
+
+
+def _into_ledger(
+    ledger: Any,
+    region: Region,
+    allocator: str,
+    owner: int,
+    seconds: float,
+    dims: tuple[int, ...],
+    dtype: str,
+) -> None:
+    from hostpool.core.records import capture_stack
+
+    ledger.add_pool(POOL)
+    ledger.record(
+        region,
+        allocator=allocator,
+        owner=owner,
+        stack=capture_stack() if ledger.track_stacks else None,
+        seconds=seconds,
+        dims=dims,
+        dtype=dtype,
+    )
