@@ -1,5 +1,10 @@
 """Names of shared-memory objects as /proc shows them: the known prefixes, what a
-name says about its pool and owner, and the kind of object a path is."""
+name says about its pool and owner, and the kind of object a path is.
+
+Names: `<prefix><pool>.<pid>.<seq>[.<random>]` (hostpool, and hostpool's sglang
+compatibility prefix). sglang's own raw names (`sglang_host_pool_<hex>[.mmap]`) carry no
+pool: they are grouped under pool `-`.
+"""
 
 from __future__ import annotations
 

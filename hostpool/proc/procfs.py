@@ -11,9 +11,7 @@ What /proc shows for shared memory:
   `dev inode` columns, and `[anon:NAME]` / `[anon_shmem:NAME]` for named anonymous VMAs
   (no fd, no inode). /proc/PID/smaps adds Rss, hugetlb pages and the page size per VMA.
 
-Names: `<prefix><pool>.<pid>.<seq>[.<random>]` (hostpool, and hostpool's sglang
-compatibility prefix). sglang's own raw names (`sglang_host_pool_<hex>[.mmap]`) carry no
-pool: they are grouped under pool `-`.
+Names are parsed by `hostpool.proc.names`.
 
 A process that exits while it is read raises ProcessNotFoundError from any step (ENOENT
 or ESRCH); scans skip it. Names are returned as /proc shows them (undecodable bytes as
