@@ -12,7 +12,7 @@ from hostpool._lazy import lazy_exports
 from hostpool._version import __version__
 
 _EXPORTS = {
-    "HostPoolManager": "hostpool.core.manager",
+    "HostPoolManager": "hostpool.manager",
     "LeakReport": "hostpool.core.manager",
     "HostTensorAllocator": "hostpool.core.allocators",
     "ShmHostTensorAllocator": "hostpool.core.allocators",
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
         register_allocator,
     )
     from hostpool.core.ledger import get_ledger
-    from hostpool.core.manager import HostPoolManager, LeakReport
+    from hostpool.core.manager import LeakReport
     from hostpool.core.records import AllocationRecord
     from hostpool.errors import (
         AllocationError,
@@ -76,5 +76,6 @@ if TYPE_CHECKING:
     )
     from hostpool.integrations.sglang.rules import get_allocator_type
     from hostpool.integrations.sglang.shapes import alloc_mmap, alloc_shm
+    from hostpool.manager import HostPoolManager
 
 __getattr__, __dir__ = lazy_exports("hostpool", _EXPORTS, globals())

@@ -1,11 +1,14 @@
-"""HostPoolManager: one allocator per pool, a budget, snapshots, metrics, and close."""
+"""PoolManager: one allocator per pool, a budget, snapshots, and close.
+
+The public `hostpool.HostPoolManager` is this class plus `register_metrics()`
+(`hostpool/manager.py`): metrics are presentation, a floor above the core."""
 
 from __future__ import annotations
 
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from hostpool.base.locks import ForkSafeLock
 from hostpool.base.units import format_size
@@ -54,7 +57,7 @@ class LeakReport:
         return "\n".join(lines)
 
 
-class HostPoolManager:
+class PoolManager:
     """Owns one allocator per pool; a view of the process-wide ledger."""
 
     def __init__(
@@ -155,11 +158,10 @@ class HostPoolManager:
         numbers as `hostpool_budget_bytes{limit}` and `hostpool_budget_reserved_bytes`."""
         return budget_view(admissions(self._ledger), self._ledger.held_bytes())
 
-    def register_metrics(self, registry: Any = None) -> Any:
-        """Register hostpool's collector with `registry` (default: the global one)."""
-        from hostpool.metrics.collector import register_metrics
-
-        return register_metrics(registry, ledger=self._ledger)
+    @property
+    def ledger(self) -> Ledger:
+        """The ledger this manager records in (the process's one ledger)."""
+        return self._ledger
 
     def close(self) -> LeakReport:
         """Release every region; those still mapped by live tensors are the LeakReport."""
@@ -182,7 +184,7 @@ class HostPoolManager:
         unregister_admission(self._ledger, self._admission)
         return LeakReport(leaks)
 
-    def __enter__(self) -> HostPoolManager:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

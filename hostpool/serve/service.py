@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from hostpool.base import events
-from hostpool.core.manager import HostPoolManager, LeakReport
+from hostpool.core.manager import LeakReport, PoolManager
 from hostpool.core.records import AllocationRecord
 from hostpool.serve.config import PoolSpec, ServeConfig
 
@@ -19,7 +19,7 @@ Progress = Callable[[str, int, int], None]
 
 
 class PoolService:
-    """Owns a HostPoolManager and the tensors of every configured pool."""
+    """Owns a PoolManager and the tensors of every configured pool."""
 
     def __init__(self, config: ServeConfig, *, track_stacks: bool = False) -> None:
         self.config = config
@@ -29,7 +29,7 @@ class PoolService:
             from hostpool.core.hostbudget import HostBudget
 
             budget = self.host_budget = HostBudget(config.host_budget, config.budget_dir)
-        self.manager = HostPoolManager(budget=budget, track_stacks=track_stacks)
+        self.manager = PoolManager(budget=budget, track_stacks=track_stacks)
         self.tensors: dict[str, list[torch.Tensor]] = {}
         self.started_at = time.time()
 

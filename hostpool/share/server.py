@@ -20,7 +20,7 @@ from typing import Any
 
 from hostpool.base import events
 from hostpool.core.ledger import Ledger, get_ledger
-from hostpool.core.manager import HostPoolManager
+from hostpool.core.manager import PoolManager
 from hostpool.errors import ShareError
 from hostpool.memory.region import Region
 from hostpool.net.guard import FD_SHORTAGE
@@ -36,7 +36,7 @@ BACKLOG = 512  # queued connections cost no fd; a legitimate one waits there in 
 class PoolShareServer:
     def __init__(
         self,
-        manager: HostPoolManager,
+        manager: PoolManager,
         path: str,
         *,
         allowed_uids: Iterable[int] | None = None,

@@ -21,7 +21,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from hostpool.core.ledger import get_ledger
-from hostpool.core.manager import HostPoolManager
+from hostpool.core.manager import PoolManager
 from hostpool.integrations.vllm import metrics_route
 
 # Under vLLM's logger tree, so the lines appear in the server's log as vLLM's own do.
@@ -46,7 +46,7 @@ class HostpoolRegion:
         self.pool = pool
         self.num_chunks = num_chunks
         self.row_bytes = row_bytes
-        self.manager = HostPoolManager(budget=budget)
+        self.manager = PoolManager(budget=budget)
         try:
             self.allocator = self.manager.allocator(pool, "shm", **options)
             self.tensor: torch.Tensor | None = self.allocator.allocate(
