@@ -63,3 +63,8 @@ def info(event: str, **fields: Any) -> None:
 
 def warning(event: str, **fields: Any) -> None:
     emit(event, logging.WARNING, **fields)
+
+
+def error(event: str, **fields: Any) -> None:
+    """An event after which the process (or the operation it names) cannot go on."""
+    emit(event, logging.ERROR, **fields)
