@@ -1,19 +1,26 @@
-"""`hostpool serve`: allocate pools, serve /metrics, /debug/pools and /healthz until signalled.
+"""`hostpool serve`: allocate pools, serve /metrics, /debug/pools, /healthz and /readyz
+until signalled.
 
 Order matters to an operator: the whole configuration is checked (sizes against the
-budget and the host included) and the port is bound before torch is imported or a page
-is allocated, so every mistake is reported in well under a second. A stop signal during
-populate stops it within a span, releases what was made and exits 0 like any stop.
+budget, the host and /dev/shm included) and the port is bound before torch is imported
+or a page is allocated, so every mistake is reported in well under a second. HTTP is
+served from the start of populate: /healthz is 200 while the process runs, /readyz 503
+with what is still populating until every pool is, then 200 (both 503 once stopping). A
+stop signal during populate stops it within a span, releases what was made and exits 0
+like any stop; after the releases the process leaves at once (`_exit_now`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
 import signal
 import sys
 import threading
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from hostpool.base import events
 from hostpool.errors import (
@@ -188,10 +195,11 @@ def run(args: argparse.Namespace) -> int:
     sock = listener.bind(cfg.host, cfg.port)
     stop = _Stop()
     try:
-        return _serve(cfg, sock, stop)
+        code = _serve(cfg, sock, stop)
     finally:
         for sig in _STOP_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
+    _exit_now(code)
 
 
 def _beside(exc: Exception, check: bool) -> str:
@@ -204,7 +212,8 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
     from hostpool.cli.progress import PopulateProgress
     from hostpool.memory import populate
     from hostpool.net.listener import Listener
-    from hostpool.serve.http import service_app
+    from hostpool.serve.http import service_app, service_registry
+    from hostpool.serve.progress_metrics import PopulateState
     from hostpool.serve.service import PoolService
 
     http = Listener(sock)
@@ -213,26 +222,41 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
         events.info("hostpool.serve_stopped")
         return 0
     service = PoolService(cfg)
+    state = PopulateState(((p.name, p.size) for p in cfg.pools), stop.event)
     share = None
     demo = None
     served = False
     try:
+        # Served from the start of populate: /healthz is live, /readyz says what is left.
+        http.serve(
+            service_app(
+                debug=service.debug_document,
+                healthy=lambda: not stop.event.is_set(),
+                readiness=state.readiness,
+                registry=service_registry(state),
+            )
+        )
+        served = True
+        events.info("hostpool.listening", url=f"http://{http.url_host}:{http.address[1]}/")
         progress = PopulateProgress(sum(p.size for p in cfg.pools))
+
+        def chunk_done(pool: str, done: int, total: int) -> None:
+            state.chunk_done(pool, done, total)
+            progress(pool, done, total)
+
+        def populated(nbytes: int) -> None:
+            state.populated(nbytes)
+            progress.populated(nbytes)
+
         try:
-            with progress, populate.cancel_on(stop.event, on_bytes=progress.populated):
-                service.allocate_all(progress, stop=stop.event)
+            with progress, populate.cancel_on(stop.event, on_bytes=populated):
+                service.allocate_all(chunk_done, stop=stop.event)
         except Cancelled:
             pass
         except HostPoolError as exc:
-            events.warning("hostpool.serve_failed", error=str(exc))
-            print(f"hostpool serve: {exc}", file=sys.stderr)
-            return 1
+            return _failed(exc)
         if stop.event.is_set():
             return 0
-        http.serve(
-            service_app(debug=service.debug_document, healthy=lambda: not stop.event.is_set())
-        )
-        served = True
         if cfg.share_socket:
             from hostpool.share import PoolShareServer
 
@@ -240,13 +264,12 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
                 share = PoolShareServer(service.manager, cfg.share_socket).start()
             except HostPoolError as exc:
                 # preflight found the path usable; something took or broke it since
-                events.warning("hostpool.serve_failed", error=str(exc))
-                print(f"hostpool serve: {exc}", file=sys.stderr)
-                return 1
+                return _failed(exc)
         if cfg.demo_load:
             from hostpool.serve.demo import DemoLoad
 
             demo = DemoLoad(service).start()
+        state.set_ready()
         stop.announce(
             "hostpool.serving",
             url=f"http://{http.url_host}:{http.address[1]}/metrics",
@@ -255,6 +278,7 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
         )
         stop.event.wait()
     finally:
+        stop.event.set()  # /healthz and /readyz say `stopping` from here on
         if demo is not None:
             demo.stop()
         if share is not None:
@@ -268,3 +292,28 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
             events.warning("hostpool.serve_leaks", report=str(report))
         events.info("hostpool.serve_stopped")
     return 0
+
+
+def _failed(exc: HostPoolError) -> int:
+    """A failure after which serve exits 1: logged at error, and one line on stderr."""
+    events.error("hostpool.serve_failed", error=str(exc))
+    print(f"hostpool serve: {exc}", file=sys.stderr)
+    return 1
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Leave the process with `code` once the pools are released and the stop is logged.
+
+    The interpreter's own teardown (module and object clean-up, torch's included) costs
+    a few hundred ms after the releases and does nothing hostpool needs: the pools, the
+    share socket and the host budget's reservation file are released explicitly before
+    this point, hostpool registers no atexit hook, and the HTTP thread is joined. So the
+    log handlers and the standard streams are flushed and the process ends with
+    os._exit, which runs no atexit hook of anyone else either (none is registered by
+    what `hostpool serve` loads that must run).
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

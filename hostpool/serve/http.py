@@ -1,4 +1,6 @@
-"""HTTP endpoints of `hostpool serve`: /metrics, /debug/pools, /healthz (loopback by default).
+"""HTTP endpoints of `hostpool serve` (loopback by default), served from the start of
+populate: /metrics, /debug/pools, /healthz (liveness), /readyz (readiness), and a landing
+page at `/` listing them (`hostpool.net.routes`, as the exporter has).
 
 A WSGI application served by `hostpool.net.listener` (deadlines, a connection cap).
 """
@@ -21,16 +23,24 @@ from prometheus_client.process_collector import ProcessCollector
 
 from hostpool.metrics.collector import register_metrics
 from hostpool.net.listener import WSGIApp
+from hostpool.net.routes import Route, routed_app, send
+from hostpool.serve.progress_metrics import PopulateCollector, PopulateState
 
 del GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR  # the global ones stay untouched
 
+TEXT = "text/plain; charset=utf-8"
+UNAVAILABLE = "503 Service Unavailable"
 
-def service_registry() -> CollectorRegistry:
-    """hostpool's collector plus prometheus_client's process and platform collectors."""
+
+def service_registry(state: PopulateState | None = None) -> CollectorRegistry:
+    """hostpool's collector, prometheus_client's process and platform collectors, and with
+    `state` the populate progress (`hostpool_serve_*`)."""
     registry = CollectorRegistry()
     register_metrics(registry)
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
+    if state is not None:
+        registry.register(PopulateCollector(state))
     return registry
 
 
@@ -38,30 +48,42 @@ def service_app(
     *,
     debug: Callable[[], dict[str, Any]],
     healthy: Callable[[], bool],
+    readiness: Callable[[], tuple[bool, str]],
     registry: CollectorRegistry | None = None,
 ) -> WSGIApp:
-    """The three endpoints; anything else is a 404 naming them."""
+    """The endpoints; `/` lists them and anything else is a 404 naming them.
+
+    `healthy()`: /healthz answers 200 `ok` while it is true, else 503 `stopping`.
+    `readiness()`: (ready, line); /readyz answers 200 with the line when ready, else 503.
+    `debug()`: the JSON document of /debug/pools (called on an HTTP worker thread).
+    """
     metrics = make_wsgi_app(registry or service_registry())
 
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "")
-        if path == "/metrics":
-            return metrics(environ, start_response)  # type: ignore[no-any-return]
-        if path == "/debug/pools":
-            body = json.dumps(debug(), indent=2, sort_keys=True).encode()
-            return _send(start_response, "200 OK", body, "application/json")
-        if path == "/healthz":
-            if healthy():
-                return _send(start_response, "200 OK", b"ok\n", "text/plain")
-            return _send(start_response, "503 Service Unavailable", b"stopping\n", "text/plain")
-        body = b"not found: try /metrics, /debug/pools, /healthz\n"
-        return _send(start_response, "404 Not Found", body, "text/plain")
+    def debug_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        body = json.dumps(debug(), indent=2, sort_keys=True).encode()
+        return send(start_response, "200 OK", body, "application/json")
 
-    return app
+    def healthz(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if healthy():
+            return send(start_response, "200 OK", b"ok\n", TEXT)
+        return send(start_response, UNAVAILABLE, b"stopping\n", TEXT)
 
+    def readyz(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        ready, line = readiness()
+        status = "200 OK" if ready else UNAVAILABLE
+        return send(start_response, status, f"{line}\n".encode(), TEXT)
 
-def _send(
-    start_response: Callable[..., Any], status: str, body: bytes, content_type: str
-) -> list[bytes]:
-    start_response(status, [("Content-Type", content_type), ("Content-Length", str(len(body)))])
-    return [body]
+    return routed_app(
+        "hostpool serve",
+        [
+            Route("/metrics", "Prometheus metrics of the pools and this process", metrics),
+            Route("/debug/pools", "every pool and region as JSON", debug_app),
+            Route("/healthz", "liveness: 200 while running, 503 once stopping", healthz),
+            Route(
+                "/readyz",
+                "readiness: 200 once every pool is populated, 503 while populating "
+                "(saying what) or stopping",
+                readyz,
+            ),
+        ],
+    )

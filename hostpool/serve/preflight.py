@@ -8,12 +8,19 @@ over its own `server.budget` or `server.host_budget`) is a ConfigError (the CLI 
 the host must change) or cannot now (MemAvailable, free hugepages: the error the first
 allocation would have raised, from the same admission check the manager uses).
 
+Pools whose shm files go to a directory (`shm_backend = "devshm"`, or `auto` where this
+kernel has no memfd) need that tmpfs, `/dev/shm` by default (the pool's `fallback_dir`),
+to be writable by this process and to have their bytes free: an AllocationError naming
+the directory, the bytes needed and those free (exit 1), before a page is allocated.
+
 So is every problem of the share socket's path (too long, on /proc or a read-only
 filesystem, an unsafe directory, something else or a live server there): ConfigError,
 or ShareSocketInUseError, found without creating anything.
 """
 
 from __future__ import annotations
+
+import os
 
 from hostpool.base.units import format_size
 from hostpool.core.budget import Admission
@@ -36,6 +43,57 @@ def _hugetlb_size(spec: PoolSpec) -> int | None:
     except HostPoolError as exc:  # already validated by the config; kept for safety
         raise ConfigError(f"pools.{spec.name}: {exc}") from None
     return options.hugepage_size if options.hugepages == "required" else None
+
+
+def _shm_directory(spec: PoolSpec, has_memfd: bool) -> str | None:
+    """The directory the pool's shm files are created in (the /dev/shm-style backend),
+    or None when its regions are memfds or not shm at all."""
+    if spec.allocator != "shm":
+        return None
+    options = RegionOptions.parse(**spec.options)  # validated by the config
+    if options.shm_backend == "devshm" or (options.shm_backend == "auto" and not has_memfd):
+        return options.fallback_dir
+    return None
+
+
+def check_shm_directories(pools: list[PoolSpec], *, has_memfd: bool | None = None) -> None:
+    """Raise AllocationError unless every directory the pools put shm files in is writable
+    by this process, on a filesystem mounted read-write, with the pools' bytes free
+    (statvfs f_bavail, whole pages). `has_memfd`: whether memfd_create works here (probed
+    when None); it decides where `shm_backend = "auto"` puts the files."""
+    if has_memfd is None:
+        has_memfd = any(p.allocator == "shm" for p in pools) and kernel.probe_memfd()
+    by_directory: dict[str, list[PoolSpec]] = {}
+    for spec in pools:
+        directory = _shm_directory(spec, has_memfd)
+        if directory is not None:
+            by_directory.setdefault(os.path.realpath(directory), []).append(spec)
+    page = os.sysconf("SC_PAGE_SIZE")
+    need_by_fs: dict[int, tuple[str, list[PoolSpec], int]] = {}
+    for directory, specs in by_directory.items():
+        where = f"pools {_listing(specs)} (shm_backend devshm) put their shm files in {directory}"
+        try:
+            st = os.statvfs(directory)
+            device = os.stat(directory).st_dev
+        except OSError as exc:
+            raise AllocationError(f"{where}: cannot read it ({exc.strerror})") from None
+        if st.f_flag & os.ST_RDONLY:
+            raise AllocationError(f"{where}, which is mounted read-only")
+        if not os.access(directory, os.W_OK):
+            raise AllocationError(f"{where}, which this process (uid {os.getuid()}) cannot write")
+        need = sum(-(-p.size // page) * page for p in specs)
+        first, before, total = need_by_fs.get(device, (directory, [], 0))
+        need_by_fs[device] = (first, before + specs, total + need)
+        available = st.f_bavail * st.f_frsize
+        if total + need > available:
+            listed = before + specs
+            raise AllocationError(
+                f"pools {_listing(listed)} (shm_backend devshm) need {format_size(total + need)} "
+                f"in {directory}, which has {format_size(available)} free",
+                reason="no_space",
+                need_bytes=total + need,
+                available_bytes=available,
+            )
 
 
 def _listing(pools: list[PoolSpec]) -> str:
@@ -97,6 +155,7 @@ def check(cfg: ServeConfig) -> None:
                 need_bytes=need,
                 limit_bytes=pool.total * size,
             )
+    check_shm_directories(list(cfg.pools))
     # What fits now: the manager's own admission check, for the whole configuration.
     admission = Admission(None, lambda: 0)
     with admission.reserve(normal_bytes, None):
