@@ -324,6 +324,35 @@ HUGEPAGES = RowSpec(
             ),
             width=24,
         ),
+        PanelSpec(
+            "Populate progress (hostpool serve)",
+            "Share of each pool's bytes that `hostpool serve` has populated so far "
+            "(hostpool_serve_populate_done_bytes / hostpool_serve_populate_target_bytes). "
+            "It climbs to 100% during start-up, while /healthz already answers and /readyz "
+            "says what is left; a line stuck below 100% is a populate that stalled (memory "
+            "pressure, reclaim) or a start that failed: see the server's log.",
+            "percentunit",
+            (
+                q(
+                    f"sum by (pool) (hostpool_serve_populate_done_bytes{{{POOL}}}) / "
+                    f"sum by (pool) (hostpool_serve_populate_target_bytes{{{POOL}}})",
+                    "{{pool}}",
+                ),
+            ),
+            width=12,
+            max_value=1,
+        ),
+        PanelSpec(
+            "Ready (hostpool serve)",
+            "1 once every pool of `hostpool serve` is populated and it serves (its /readyz "
+            "answers 200), 0 while it populates or stops. Empty for processes that embed "
+            "hostpool: they have no populate phase of their own.",
+            "short",
+            (q(f"min by (instance) (hostpool_serve_ready{{{TARGET}}})", "{{instance}}"),),
+            kind="stat",
+            width=12,
+            thresholds=((None, "red"), (1, "green")),
+        ),
     ),
 )
 
