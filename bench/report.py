@@ -24,12 +24,15 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import REPO_ROOT, RESULTS_DIR, format_size, read_json
 from bench.report_tables import TABLES
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass(frozen=True)
@@ -129,63 +132,155 @@ def _variant_cell(r: dict[str, Any], key: str, fmt: str) -> str:
     return format(value, fmt) if isinstance(value, int | float) else "-"
 
 
-def populate_chart(data: dict[str, Any], out: Path) -> None:
+# Populate chart: one colour per variant, a colour family per group.
+POPULATE_GROUPS: dict[str, tuple[str, str, str, tuple[float, float]]] = {
+    # group: (legend label, colormap of its family, hatch, span of the colormap used)
+    "hostpool": ("hostpool", "Blues", "", (0.45, 0.9)),
+    "peer": ("peers: sglang, vLLM, torch, seed PR", "YlOrRd", "", (0.3, 0.95)),
+    "ceiling": ("bare kernel call (ceiling)", "Greys", "///", (0.35, 0.7)),
+}
+
+
+def populate_group(variant: str) -> str:
+    """The chart group of a populate variant: 'hostpool', 'ceiling' (bare kernel calls)
+    or 'peer' (every other allocator it is compared with)."""
+    if variant.startswith("hostpool_"):
+        return "hostpool"
+    if variant.startswith("bare_"):
+        return "ceiling"
+    return "peer"
+
+
+def populate_styles(variants: list[str]) -> dict[str, tuple[Any, str]]:
+    """variant -> (RGBA colour, hatch): each variant its own shade of its group's family,
+    spread evenly over the group's span of the colormap (never white, never black)."""
+    from matplotlib import colormaps
+
+    styles: dict[str, tuple[Any, str]] = {}
+    for group, (_, cmap_name, hatch, (lo, hi)) in POPULATE_GROUPS.items():
+        members = [v for v in variants if populate_group(v) == group]
+        cmap = colormaps[cmap_name]
+        for k, variant in enumerate(members):
+            where = k / (len(members) - 1) if len(members) > 1 else 0.5
+            styles[variant] = (cmap(lo + (hi - lo) * where), hatch)
+    return styles
+
+
+def draw_populate_chart(data: dict[str, Any]) -> Figure:
+    """The populate chart as a matplotlib Figure (Agg backend): one panel per size, one
+    horizontal bar per variant (median GiB/s, whiskers min..max), its value at the whisker's
+    end; variants grouped hostpool / peers / ceilings, each group a colour family, ceilings
+    hatched. Patches and value texts carry gid `populate:<variant>:<size>` and
+    `value:<variant>:<size>`. Raises KeyError on a results file without config/results."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     results = data["results"]
     variants: list[str] = data["config"]["variants"]
-    width = 0.8 / max(1, len(variants))
-    fig, ax = plt.subplots(figsize=(max(7.0, 2.2 + 2.4 * len(results)), 5.2), dpi=120)
-    cmap = plt.get_cmap("tab10")
-    top = 0.0
-    for i, variant in enumerate(variants):
-        xs, ys, lo, hi = [], [], [], []
-        for j, row in enumerate(results):
+    order = [v for g in POPULATE_GROUPS for v in variants if populate_group(v) == g]
+    styles = populate_styles(order)
+    ys: dict[str, float] = {}
+    y, previous = 0.0, None
+    for variant in order:
+        group = populate_group(variant)
+        y += 0.0 if previous is None else (1.0 if group == previous else 1.7)
+        ys[variant], previous = y, group
+
+    fig, axes = plt.subplots(
+        1,
+        len(results),
+        sharey=True,
+        sharex=True,
+        squeeze=False,
+        figsize=(3.0 + 3.8 * len(results), 1.9 + 0.3 * (y + 1)),
+        dpi=120,
+    )
+    top = max(
+        (
+            row["size_bytes"] / (1 << 30) / r["min_s"]
+            for row in results
+            for r in row["variants"].values()
+            if r.get("status") == "ok"
+        ),
+        default=1.0,
+    )
+    for ax, row in zip(axes[0], results, strict=True):
+        n = row["size_bytes"] / (1 << 30)
+        for variant in order:
             r = row["variants"].get(variant, {})
+            colour, hatch = styles[variant]
+            tag = f"{variant}:{row['size']}"
             if r.get("status") != "ok":
-                continue
-            n = row["size_bytes"] / (1 << 30)
-            xs.append(j - 0.4 + width * (i + 0.5))
-            ys.append(r["gib_per_s"])
-            lo.append(r["gib_per_s"] - n / r["max_s"])
-            hi.append(n / r["min_s"] - r["gib_per_s"])
-            top = max(top, n / r["min_s"])
-        label = POPULATE_SHORT.get(variant, variant)
-        if not xs:
-            label += (
-                " (skipped)"
-                if any(
-                    row["variants"].get(variant, {}).get("status") == "skipped" for row in results
+                text = ax.annotate(
+                    str(r.get("status", "no data")),
+                    (0, ys[variant]),
+                    xytext=(3, 0),
+                    textcoords="offset points",
+                    va="center",
+                    fontsize=7,
+                    color="0.35",
                 )
-                else " (no data)"
+                text.set_gid(f"value:{tag}")
+                continue
+            median, fastest, slowest = r["gib_per_s"], n / r["min_s"], n / r["max_s"]
+            (bar,) = ax.barh(
+                ys[variant],
+                median,
+                height=0.8,
+                xerr=[[median - slowest], [fastest - median]],
+                capsize=2,
+                color=colour,
+                hatch=hatch,
+                edgecolor="white" if hatch else colour,
+                linewidth=0,
+                error_kw={"elinewidth": 0.8},
             )
-        bars = ax.bar(
-            xs,
-            ys,
-            width * 0.92,
-            yerr=[lo, hi] if xs else None,
-            capsize=2,
-            label=label,
-            color=cmap(i % 10),
-        )
-        ax.bar_label(bars, fmt="%.2f", fontsize=7, label_type="center", color="white")
-    ax.set_xticks(range(len(results)), [row["size"] for row in results])
-    ax.set_ylabel("GiB/s (allocate + populate), higher is better")
-    ax.set_ylim(0, top * 1.15 if top else 1)
+            bar.set_gid(f"populate:{tag}")
+            text = ax.annotate(
+                f"{median:.2f}",
+                (fastest, ys[variant]),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=7,
+            )
+            text.set_gid(f"value:{tag}")
+        ax.set_title(row["size"], fontsize=9)
+        ax.set_xlabel("GiB/s (allocate + populate), higher is better", fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_axisbelow(True)
+        ax.tick_params(labelsize=7)
+    first = axes[0][0]
+    first.set_xlim(0, top * 1.2)
+    first.set_yticks([ys[v] for v in order], [POPULATE_SHORT.get(v, v) for v in order])
+    first.invert_yaxis()
     runs = data["config"]["runs"]
-    ax.set_title(
+    fig.suptitle(
         f"Populate throughput, median of {runs} fresh-process run(s), "
         f"{data['config'].get('pages', 'natural')} pages; whiskers: min..max\n"
         f"{_machine_line(data)}",
         fontsize=9,
     )
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncols=3, frameon=False)
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
-    fig.tight_layout()
+    handles = []
+    for group, (label, _, hatch, _) in POPULATE_GROUPS.items():
+        members = [v for v in order if populate_group(v) == group]
+        if members:
+            colour = styles[members[len(members) // 2]][0]
+            edge = "white" if hatch else colour
+            handles.append(Patch(facecolor=colour, hatch=hatch, edgecolor=edge, label=label))
+    fig.legend(handles=handles, loc="lower center", ncols=len(handles), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+def populate_chart(data: dict[str, Any], out: Path) -> None:
+    """Draw the populate chart (draw_populate_chart) and write it to out as PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = draw_populate_chart(data)
     fig.savefig(out)
     plt.close(fig)
 
