@@ -38,7 +38,7 @@ def test_structlog_loads_when_an_event_is_wanted() -> None:
         """
         import logging, sys
         import torch
-        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+        logging.basicConfig(level=logging.DEBUG, stream=sys.stdout, format="%(message)s")
         from hostpool import ShmHostTensorAllocator
         alloc = ShmHostTensorAllocator("first")
         t = alloc.allocate((2 << 20,), torch.uint8)

@@ -61,7 +61,7 @@ def start_serve(tmp_path: os.PathLike[str], *args: str) -> Served:
 
 @pytest.fixture
 def served(tmp_path: os.PathLike[str]) -> Iterator[Served]:
-    s = start_serve(tmp_path)
+    s = start_serve(tmp_path, "--log-level", "debug")  # each release is a debug event
     yield s
     if s.proc.poll() is None:
         s.proc.kill()
@@ -197,7 +197,7 @@ def test_make_run_as_a_new_user_would(tmp_path: os.PathLike[str]) -> None:
     err = os.path.join(tmp_path, "make-run.err")
     with open(err, "w") as f:
         proc = subprocess.Popen(
-            ["make", "--no-print-directory", "run", "SERVE_ARGS=--port 0"],
+            ["make", "--no-print-directory", "run", "SERVE_ARGS=--port 0 --log-level debug"],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=f,

@@ -283,7 +283,7 @@ class HostTensorAllocator:
             bytes=region.mapped_bytes,
             seconds=round(region.populate_seconds, 6),
         )
-        events.info(
+        events.debug(  # per allocation: debug (`hostpool.pool_closed` sums a pool up)
             "hostpool.alloc",
             pool=region.pool,
             allocator=self.registered_name,

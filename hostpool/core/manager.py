@@ -6,10 +6,12 @@ The public `hostpool.HostPoolManager` is this class plus `register_metrics()`
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+from hostpool.base import events
 from hostpool.base.locks import ForkSafeLock
 from hostpool.base.units import format_size
 from hostpool.core.allocators import HostTensorAllocator, allocator_class
@@ -24,7 +26,7 @@ from hostpool.core.budget import (
     unregister_admission,
 )
 from hostpool.core.ledger import Ledger, get_ledger
-from hostpool.core.ledger_events import emit_leak
+from hostpool.core.ledger_events import emit_leak, released
 from hostpool.core.records import AllocationRecord
 from hostpool.errors import InvalidRequestError
 from hostpool.memory.options import validate_pool_name
@@ -181,8 +183,34 @@ class PoolManager:
         )
         for r in () if already else leaks:
             emit_leak(r.pool, r.mapped_bytes, r.name, r.allocator, r.stack)
+        if not already:
+            self._emit_closed(allocators, leaks)
         unregister_admission(self._ledger, self._admission)
         return LeakReport(leaks)
+
+    def _emit_closed(
+        self, allocators: list[HostTensorAllocator], leaks: tuple[AllocationRecord, ...]
+    ) -> None:
+        """`hostpool.pool_closed` (info) per pool: the per-allocation events are debug, so
+        this is where an operator reads what a pool did and how its regions ended (counts
+        and bytes of this process's life, by how they were released)."""
+        if not events.stdlib_logger.isEnabledFor(logging.INFO):
+            return
+        allocations = self._ledger.counters()["allocations_total"]
+        for a in allocators:
+            ended = released(a.pool)
+            mapped = [r for r in leaks if r.pool == a.pool]
+            events.info(
+                "hostpool.pool_closed",
+                pool=a.pool,
+                allocator=a.registered_name,
+                allocations=allocations.get((a.pool, a.registered_name), 0),
+                released_regions=sum(n for n, _ in ended.values()),
+                released_bytes=sum(b for _, b in ended.values()),
+                releases={how: n for how, (n, _) in ended.items()},
+                leaks=len(mapped),  # still mapped by live views: the LeakReport
+                leaked_bytes=sum(r.mapped_bytes for r in mapped),
+            )
 
     def __enter__(self) -> Self:
         return self
