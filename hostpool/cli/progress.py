@@ -2,7 +2,9 @@
 
 On a TTY: one status line (pool, bar, bytes, rate, ETA) redrawn as each span of a chunk
 is populated; log lines clear it, print, and redraw it (see logsetup), so they never
-tear it. Elsewhere: a `hostpool.populate_progress` event per quarter of each pool.
+tear it. Elsewhere: a `hostpool.populate_progress` event per quarter of each pool, with the
+rate so far over every pool (`rate_bytes_per_s`) and the time left for every pool
+(`eta_s`, None until a rate is known).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class PopulateProgress:
         self._base = 0  # bytes of the pool's finished chunks
         self._chunk = 0  # bytes of the chunk in progress populated so far
         self._all = 0  # bytes of every pool finished before this one
-        self._started = time.monotonic()
+        self._started: float | None = None  # the first call: setup is not populate time
         self._quarters: dict[str, int] = {}
         self._shown = False
 
@@ -56,16 +58,26 @@ class PopulateProgress:
     def __call__(self, pool: str, done: int, total: int) -> None:
         """A chunk of `pool` finished (or the pool starts, done=0)."""
         with self.lock:
+            if self._started is None:
+                self._started = time.monotonic()
             if pool != self._pool:
                 self._all += self._pool_total
                 self._pool, self._pool_total = pool, total
             self._base, self._chunk = done, 0
             self._draw()
+            rate, eta = self.rate_and_eta()
         if not self.tty and total:
             quarter = 4 * done // total
             if quarter > self._quarters.get(pool, 0):
                 self._quarters[pool] = quarter
-                events.info("hostpool.populate_progress", pool=pool, done=done, total=total)
+                events.info(
+                    "hostpool.populate_progress",
+                    pool=pool,
+                    done=done,
+                    total=total,
+                    rate_bytes_per_s=int(rate),
+                    eta_s=None if eta is None else round(eta, 1),
+                )
 
     def populated(self, nbytes: int) -> None:
         """`nbytes` more of the chunk in progress are resident (from populate's threads)."""
@@ -75,12 +87,21 @@ class PopulateProgress:
             self._chunk += nbytes
             self._draw()
 
-    def line(self) -> str:
+    def rate_and_eta(self) -> tuple[float, float | None]:
+        """(bytes per second populated so far over every pool, seconds left for every
+        pool at that rate: None while the rate is 0). Call under `lock`."""
         done = min(self._pool_total, self._base + self._chunk)
-        seconds = max(1e-6, time.monotonic() - self._started)
+        started = self._started if self._started is not None else time.monotonic()
+        seconds = max(1e-6, time.monotonic() - started)
         rate = (self._all + done) / seconds
-        left = self.total - self._all - done
-        eta = f"{left / rate:.1f}s" if rate > 0 else "?"
+        left = max(0, self.total - self._all - done)
+        return rate, (left / rate if rate > 0 else None)
+
+    def line(self) -> str:
+        """The status line: pool, bar, bytes, rate and ETA. Call under `lock`."""
+        done = min(self._pool_total, self._base + self._chunk)
+        rate, left = self.rate_and_eta()
+        eta = "?" if left is None else f"{left:.1f}s"
         filled = _WIDTH * done // self._pool_total if self._pool_total else _WIDTH
         return (
             f"{self._pool:>10} [{'#' * filled}{'.' * (_WIDTH - filled)}] "
