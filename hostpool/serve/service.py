@@ -12,6 +12,7 @@ import torch
 from hostpool.base import events
 from hostpool.core.manager import LeakReport, PoolManager
 from hostpool.core.records import AllocationRecord
+from hostpool.serve import debugdoc
 from hostpool.serve.config import PoolSpec, ServeConfig
 
 # progress(pool, done_bytes, total_bytes)
@@ -71,19 +72,8 @@ class PoolService:
         return self.manager.snapshot()
 
     def debug_document(self) -> dict[str, Any]:
-        """What /debug/pools serves: totals per pool and every region's record."""
-        budget = self.manager.budget_view()
-        return {
-            "pid": __import__("os").getpid(),
-            "started_at": self.started_at,
-            "pools": self.manager.totals(),
-            # The same numbers as hostpool_budget_bytes{limit} / _reserved_bytes.
-            "budget_bytes": budget.limits[budget.binding] if budget.binding else None,
-            "budget_binding_limit": budget.binding,
-            "budget_limits": budget.limits,
-            "budget_reserved_bytes": budget.reserved,
-            "regions": [r.to_dict() for r in self.snapshot()],
-        }
+        """What /debug/pools serves (see hostpool.serve.debugdoc.debug_document)."""
+        return debugdoc.debug_document(self.manager, self.started_at)
 
     def close(self) -> LeakReport:
         """Release every pool explicitly, then drop the tensors so nothing stays mapped."""
