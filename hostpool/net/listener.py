@@ -14,22 +14,28 @@ the policy of `hostpool.net.guard`:
   seconds of its first byte, and a connection with nothing to do is closed after
   `idle_timeout`;
 - a request that never completed never runs the application (no scrape for it), and
-  socket errors are counted events, never tracebacks.
+  socket errors are counted events, never tracebacks;
+- with a web config (`hostpool.net.webconfig`), TLS and basic auth: each accepted socket
+  is wrapped without a handshake, which then runs non-blocking on the event loop
+  (`hostpool.net.channel.TLSChannel`): a client that never sends a ClientHello holds one
+  fd and nothing else, and is closed at the request deadline (tls_handshake_timeout); a
+  failed handshake is closed at once (tls_handshake_failed).
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from waitress.channel import HTTPChannel
 from waitress.server import TcpWSGIServer
 
 from hostpool.base import events
 from hostpool.errors import ConfigError, UnavailableError
+from hostpool.net.channel import Channel, TLSChannel
 from hostpool.net.guard import (
     FD_SHORTAGE,
     Backoff,
@@ -38,6 +44,7 @@ from hostpool.net.guard import (
     oldest_idle,
     past_deadline,
 )
+from hostpool.net.webconfig import WebConfig
 
 # environ, start_response -> body chunks
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
@@ -77,27 +84,23 @@ def default_connection_limit() -> int:
     return connection_cap(DEFAULT_CONNECTION_LIMIT, 8)
 
 
-class _Channel(HTTPChannel):
-    """Remembers when the request now arriving started, for the request deadline."""
-
-    request_started: float | None = None
-
-    def received(self, data: bytes) -> bool:
-        if self.request is None and data:
-            self.request_started = time.monotonic()
-        done: bool = super().received(data)
-        if self.request is None:
-            self.request_started = None
-        return done
-
-
 class _GuardedServer(TcpWSGIServer):
     """waitress's TCP server with eviction instead of refusing, and deadlines."""
 
-    channel_class = _Channel
+    channel_class: type[Channel] = Channel
 
-    def __init__(self, app: WSGIApp, sock: socket.socket, limits: _Limits, **kw: Any) -> None:
+    def __init__(
+        self,
+        app: WSGIApp,
+        sock: socket.socket,
+        limits: _Limits,
+        tls: ssl.SSLContext | None = None,
+        **kw: Any,
+    ) -> None:
         self.limits = limits
+        self.tls = tls
+        if tls is not None:
+            self.channel_class = TLSChannel
         self._next_maintenance = 0.0
         self._accept_after = 0.0
         self._backoff = Backoff(_FD_SHORTAGE_PAUSE, _FD_SHORTAGE_PAUSE)
@@ -111,9 +114,9 @@ class _GuardedServer(TcpWSGIServer):
             self._enforce_deadlines(now)
         return bool(self.accepting) and now >= self._accept_after and not self.stopping
 
-    def _channels(self) -> dict[int, _Channel]:
+    def _channels(self) -> dict[int, Channel]:
         # waitress keeps {fd: channel} in creation order; its stubs type it as one channel.
-        channels: dict[int, _Channel] = self.active_channels  # type: ignore[assignment]
+        channels: dict[int, Channel] = self.active_channels  # type: ignore[assignment]
         return channels
 
     @property
@@ -140,6 +143,17 @@ class _GuardedServer(TcpWSGIServer):
                 self.limits.count("accept_error")
                 return
             self._backoff.reset()
+            if self.tls is not None:
+                try:
+                    conn.setblocking(False)
+                    # no I/O here: the handshake runs on the loop, in TLSChannel
+                    conn = self.tls.wrap_socket(
+                        conn, server_side=True, do_handshake_on_connect=False
+                    )
+                except OSError:  # the peer is gone already
+                    conn.close()
+                    self.limits.count("tls_handshake_failed")
+                    continue
             self.channel_class(self, conn, addr, self.adj, map=self.socket_map)
 
     def _evict_oldest(self, why: str) -> bool:
@@ -158,7 +172,7 @@ class _GuardedServer(TcpWSGIServer):
         to_wall = time.time() - now
         limits = self.limits
 
-        def deadline(channel: _Channel) -> float | None:
+        def deadline(channel: Channel) -> float | None:
             if channel.requests:
                 return None  # in service: the application's time, not the client's
             if channel.request_started is not None:
@@ -166,7 +180,12 @@ class _GuardedServer(TcpWSGIServer):
             return channel.last_activity - to_wall + limits.idle_timeout
 
         for channel in past_deadline(list(self._channels().values()), deadline, now):
-            why = "idle_timeout" if channel.request_started is None else "request_timeout"
+            if channel.handshaking:
+                why = "tls_handshake_timeout"
+            elif channel.request_started is None:
+                why = "idle_timeout"
+            else:
+                why = "request_timeout"
             channel.handle_close()
             limits.count(why)
 
@@ -189,7 +208,9 @@ class _Limits:
 
 
 class Listener:
-    """One bound socket served by waitress on its own thread; `stop()` joins it."""
+    """One bound socket served by waitress on its own thread; `stop()` joins it.
+
+    `web_config`: TLS and basic auth (None: plain HTTP, no auth)."""
 
     def __init__(
         self,
@@ -199,8 +220,10 @@ class Listener:
         request_timeout: float = REQUEST_TIMEOUT,
         idle_timeout: float = IDLE_TIMEOUT,
         threads: int = 4,
+        web_config: WebConfig | None = None,
     ) -> None:
         self.socket = sock
+        self.web_config = web_config
         self.limits = _Limits(
             connection_limit or default_connection_limit(), request_timeout, idle_timeout
         )
@@ -220,12 +243,27 @@ class Listener:
         return f"[{host}]" if ":" in host else host
 
     @property
+    def scheme(self) -> str:
+        """https when the listener serves TLS, else http."""
+        return "http" if self.web_config is None else self.web_config.scheme
+
+    def url(self, path: str = "/metrics") -> str:
+        """The URL of `path` on this listener, e.g. https://127.0.0.1:9464/metrics."""
+        return f"{self.scheme}://{self.url_host}:{self.address[1]}{path}"
+
+    @property
     def closed_connections(self) -> dict[str, int]:
         """Connections the listener closed, by why (connection_limit, request_timeout...)."""
         return dict(self.limits.closed)
 
     def serve(self, app: WSGIApp) -> Listener:
         from waitress import wasyncore
+
+        web = self.web_config
+        if web is not None and web.users:
+            from hostpool.net.basicauth import BasicAuth
+
+            app = BasicAuth(web.users, app)
 
         def logged(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
             # Only complete requests get here: a half-open one never runs the application.
@@ -236,6 +274,8 @@ class Listener:
             logged,
             self.socket,
             self.limits,
+            tls=None if web is None else web.tls,
+            url_scheme=self.scheme,
             map=self._map,
             threads=self.threads,
             connection_limit=self.limits.connections,
