@@ -3,8 +3,9 @@
 Endpoints: `/metrics` (only there), `/healthz` (200 while it serves), `/` a page listing
 them; any other path is a 404. `--pid` of a process that does not exist (yet) is
 accepted: `hostpool_exporter_target_up` is 0 until it does (and again once it exits).
-Exit status as every subcommand (hostpool.cli.exitcodes): 1 when the port is in use or
-the --pid process may not be read, 2 for a wrong flag or value.
+With `--web-config-file`, TLS and basic auth (hostpool.net.webconfig). Exit status as
+every subcommand (hostpool.cli.exitcodes): 1 when the port is in use or the --pid process
+may not be read, 2 for a wrong flag or value or web config file.
 """
 
 from __future__ import annotations
@@ -69,6 +70,15 @@ def add_parser(sub: Any) -> None:
         "scrape answers with what it read and hostpool_exporter_scrape_truncated 1 "
         "(keep it below Prometheus' scrape_timeout)",
     )
+    p.add_argument(
+        "--web-config-file",
+        "--web.config.file",
+        dest="web_config_file",
+        metavar="FILE",
+        help="YAML file of TLS and basic auth settings, node_exporter's format "
+        "(tls_server_config, basic_auth_users); relative paths in it are resolved against "
+        "its directory. Without it: plain HTTP, no auth",
+    )
     p.set_defaults(run=run)
 
 
@@ -78,10 +88,13 @@ def run(args: argparse.Namespace) -> int:
     from hostpool.metrics.exporter import ProcfsCollector
     from hostpool.net.listener import Listener, bind
     from hostpool.net.routes import Route, routed_app, text_app
+    from hostpool.net.webconfig import WebConfig, load
 
     if args.match is not None and not all(args.match):
         print("hostpool exporter: --match needs a non-empty prefix", file=sys.stderr)
         return INVALID
+    # a wrong web config is a ConfigError: one line and exit 2, from main(), before binding
+    web: WebConfig | None = load(args.web_config_file) if args.web_config_file else None
     absent: procfs.ProcessNotFoundError | None = None
     if args.pid is not None:
         try:
@@ -111,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         ],
     )
     # a port in use is an UnavailableError: one line and exit 1, from main()
-    http = Listener(bind(args.host, args.port)).serve(app)
+    http = Listener(bind(args.host, args.port), web_config=web).serve(app)
 
     stop = threading.Event()
 
@@ -122,11 +135,12 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     events.info(
         "hostpool.exporter_serving",
-        url=f"http://{http.url_host}:{http.address[1]}/metrics",
+        url=http.url("/metrics"),
         pid=args.pid,
         # chosen by the watched process: escaped, it cannot forge or garble a log line
         command=printable(procfs.command_name(args.pid) or "?") if args.pid else None,
         match=args.match,
+        web=web.describe() if web is not None else None,
     )
     if absent is not None:
         events.info(

@@ -92,6 +92,17 @@ def add_parser(sub: Any) -> None:
         "(to check a new configuration beside the running service, which holds both); "
         "everything else is checked, and the output line says what was not",
     )
+    p.add_argument(
+        "--web-config-file",
+        "--web.config.file",
+        dest="web_config_file",
+        type=os.path.abspath,
+        metavar="FILE",
+        help="YAML file of TLS and basic auth settings for the listener, node_exporter's "
+        "format (tls_server_config, basic_auth_users; also [server] web_config_file); "
+        "relative paths in it are resolved against its directory. Checked before anything "
+        "is allocated, and by --check",
+    )
     p.set_defaults(run=run)
 
 
@@ -127,13 +138,21 @@ def build_config(args: argparse.Namespace) -> serve_config.ServeConfig:
             if args.hugepages:
                 table["hugepages"] = args.hugepages
     server = data["server"]
-    for key in ("host", "port", "budget", "host_budget", "budget_dir", "share_socket"):
+    for key in (
+        "host",
+        "port",
+        "budget",
+        "host_budget",
+        "budget_dir",
+        "share_socket",
+        "web_config_file",
+    ):
         value = getattr(args, key)
         if value is not None:
             server[key] = value
     if args.demo_load:
         server["demo_load"] = True
-    return serve_config.from_mapping(data)
+    return serve_config.from_mapping(data, os.path.dirname(args.config or ""))
 
 
 class _Stop:
@@ -190,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
                 raise UnavailableError(_beside(exc, True)) from None
             where = f"listen {cfg.host}:{cfg.port}"
         pools = ", ".join(f"{p.name} {format_size(p.size)} ({p.allocator})" for p in cfg.pools)
-        print(f"ok: {len(cfg.pools)} pools ({pools}); {where}")
+        web = f"; {cfg.web.describe()}" if cfg.web is not None else ""
+        print(f"ok: {len(cfg.pools)} pools ({pools}); {where}{web}")
         return 0
     sock = listener.bind(cfg.host, cfg.port)
     stop = _Stop()
@@ -216,7 +236,7 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
     from hostpool.serve.progress_metrics import PopulateState
     from hostpool.serve.service import PoolService
 
-    http = Listener(sock)
+    http = Listener(sock, web_config=cfg.web)
     if stop.event.is_set():  # stopped while torch was imported
         sock.close()
         events.info("hostpool.serve_stopped")
@@ -237,7 +257,7 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
             )
         )
         served = True
-        events.info("hostpool.listening", url=f"http://{http.url_host}:{http.address[1]}/")
+        events.info("hostpool.listening", url=http.url("/"))
         progress = PopulateProgress(sum(p.size for p in cfg.pools))
 
         def chunk_done(pool: str, done: int, total: int) -> None:
@@ -272,7 +292,7 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
         state.set_ready()
         stop.announce(
             "hostpool.serving",
-            url=f"http://{http.url_host}:{http.address[1]}/metrics",
+            url=http.url("/metrics"),
             pools=[p.name for p in cfg.pools],
             bytes=sum(p.size for p in cfg.pools),
         )

@@ -9,12 +9,15 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hostpool.base.config import load_file
 from hostpool.base.units import parse_size
 from hostpool.errors import ConfigError, HostPoolError
 from hostpool.memory.options import RegionOptions, validate_pool_name
+
+if TYPE_CHECKING:  # ssl is imported only when a web config file is given
+    from hostpool.net.webconfig import WebConfig
 
 DEFAULT_CHUNK = 256 << 20
 # Small enough for any laptop, shaped like a hybrid model's host cache.
@@ -34,7 +37,16 @@ _POOL_KEYS = {"size", "allocator", "chunk"} | {
     "shm_backend",
     "fallback_dir",
 }
-_SERVER_KEYS = {"host", "port", "budget", "host_budget", "budget_dir", "share_socket", "demo_load"}
+_SERVER_KEYS = {
+    "host",
+    "port",
+    "budget",
+    "host_budget",
+    "budget_dir",
+    "share_socket",
+    "demo_load",
+    "web_config_file",
+}
 DEFAULT_BUDGET_DIR = "/dev/shm/hostpool-budget"
 # hostpool.core.allocators' own registry, known without importing torch (a test keeps the two
 # equal); allocators registered in-process are seen once hostpool.core.allocators is imported.
@@ -68,6 +80,8 @@ class ServeConfig:
     budget_dir: str = DEFAULT_BUDGET_DIR
     share_socket: str | None = None
     demo_load: bool = False
+    # TLS and basic auth of the listener, loaded and checked from server.web_config_file
+    web: WebConfig | None = field(default=None, compare=False)
 
 
 def _size(value: object, key: str) -> int:
@@ -106,7 +120,10 @@ def pool_spec(name: str, table: dict[str, Any], defaults: dict[str, Any] | None 
     return PoolSpec(name=name, size=size, allocator=allocator, chunk=chunk, options=merged)
 
 
-def from_mapping(data: dict[str, Any]) -> ServeConfig:
+def from_mapping(data: dict[str, Any], base_dir: str | None = None) -> ServeConfig:
+    """The ServeConfig of a `{"server": ..., "pools": ...}` mapping, checked whole; the
+    web config file it names is loaded now (a relative path is taken from `base_dir`, the
+    directory of the file the mapping came from). Raises ConfigError naming the key."""
     unknown = sorted(set(data) - {"server", "pools"})
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {unknown}; known: ['pools', 'server']")
@@ -143,6 +160,14 @@ def from_mapping(data: dict[str, Any]) -> ServeConfig:
     demo = server.get("demo_load", False)
     if not isinstance(demo, bool):
         raise ConfigError(f"server.demo_load must be true or false, got {demo!r}")
+    web_file = server.get("web_config_file")
+    if web_file is not None and (not isinstance(web_file, str) or not web_file):
+        raise ConfigError(f"server.web_config_file must be a path, got {web_file!r}")
+    web = None
+    if web_file:
+        from hostpool.net import webconfig
+
+        web = webconfig.load(os.path.join(base_dir or "", os.path.expanduser(web_file)))
     return ServeConfig(
         pools=tuple(pools),
         host=host,
@@ -152,13 +177,14 @@ def from_mapping(data: dict[str, Any]) -> ServeConfig:
         budget_dir=budget_dir,
         share_socket=share,
         demo_load=demo,
+        web=web,
     )
 
 
 def from_file(path: str) -> ServeConfig:
     if not os.path.splitext(path)[1]:
         raise ConfigError(f"{path}: config files end in .toml, .json or .yaml")
-    return from_mapping(load_file(path, what="serve config"))
+    return from_mapping(load_file(path, what="serve config"), os.path.dirname(path))
 
 
 def parse_pool_flag(flag: str) -> tuple[str, str]:
