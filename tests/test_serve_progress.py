@@ -87,7 +87,8 @@ def test_progress_bar_within_a_chunk_and_untorn_by_logs(tmp_path: Path) -> None:
     shown = {m.group(1) for m in BAR.finditer(text)}
     assert shown & {"64MiB", "128MiB", "192MiB", "256MiB", "320MiB", "384MiB", "448MiB"}, shown
     lines = screen(text)
-    assert any("hostpool.pool_ready" in x for x in lines) and any("hostpool.serving" in x for x in lines)
+    assert any("hostpool.pool_ready" in x for x in lines)
+    assert any("hostpool.serving" in x for x in lines)
     for line in lines:
         # A log line on its own line: never glued to (or overwritten into) the bar.
         assert not (BAR.search(line) and "hostpool." in line), line

@@ -38,8 +38,18 @@ def test_stop_signal_during_populate(tmp_path: Path, sig: signal.Signals) -> Non
     err = tmp_path / "serve.err"
     with open(err, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "hostpool", "serve", "--port", "0", "--config", str(config),
-             "--log-level", "debug"],  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "hostpool",
+                "--log-level",
+                "debug",
+                "serve",
+                "--port",
+                "0",
+                "--config",
+                str(config),
+            ],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=f,
