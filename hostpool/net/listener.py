@@ -112,6 +112,7 @@ class _GuardedServer(TcpWSGIServer):
         if now >= self._next_maintenance:
             self._next_maintenance = now + _MAINTENANCE_INTERVAL
             self._enforce_deadlines(now)
+            self.limits.flush()
         return bool(self.accepting) and now >= self._accept_after and not self.stopping
 
     def _channels(self) -> dict[int, Channel]:
@@ -205,6 +206,11 @@ class _Limits:
         """Count a connection the listener closed; the totals go out, throttled."""
         self.closed[why] = self.closed.get(why, 0) + 1
         self._throttle.warning("hostpool.http_connections_closed", None, **self.closed)
+
+    def flush(self) -> None:
+        """Log the totals held back by the throttle once its interval has passed: a
+        flood's last closes are told too, not only its first."""
+        self._throttle.flush()
 
 
 class Listener:
