@@ -29,7 +29,7 @@ from hostpool.errors import ConfigError
 from hostpool.net import webconfig
 from hostpool.net.basicauth import BasicAuth, credentials_of
 from hostpool.net.listener import Listener, bind
-from tests import waiting
+from tests import tlspki, waiting
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PASSWORD = "s3cret pass:word"  # a colon and a space: only the first colon splits
@@ -37,38 +37,10 @@ PASSWORD = "s3cret pass:word"  # a colon and a space: only the first colon split
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()
 
 
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def issue(pki: Path, ca: str, name: str, subject: str, extensions: str) -> None:
-    """`name`.key and `name`.crt, signed by `ca`."""
-    (pki / f"{name}.ext").write_text(extensions)
-    openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, cwd=pki)  # fmt: skip
-    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
-            "-CAcreateserial", "-out", f"{name}.crt", "-days", "2",
-            "-extfile", f"{name}.ext", cwd=pki)  # fmt: skip
-
-
-def make_ca(pki: Path, name: str) -> None:
-    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-            "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "2",
-            "-subj", f"/CN={name}", cwd=pki)  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """ca.crt; server.crt/key for 127.0.0.1; client.crt/key from ca; rogue.crt/key, a
-    client certificate from another CA."""
-    pki = tmp_path_factory.mktemp("pki")
-    make_ca(pki, "ca")
-    make_ca(pki, "other-ca")
-    issue(pki, "ca", "server", "/CN=localhost",
-          "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")  # fmt: skip
-    issue(pki, "ca", "client", "/CN=scraper", "extendedKeyUsage=clientAuth\n")
-    issue(pki, "other-ca", "rogue", "/CN=rogue", "extendedKeyUsage=clientAuth\n")
-    return pki
+    """The test PKI of tests.tlspki, made once for the module."""
+    return tlspki.make(tmp_path_factory.mktemp("pki"))
 
 
 def write_config(directory: Path, text: str, name: str = "web.yml") -> str:

@@ -1,0 +1,116 @@
+"""A real Prometheus scrapes `hostpool serve` over mutual TLS with basic auth.
+
+The scrape config is what an operator writes (`scheme: https`, `tls_config` with the CA
+and a client certificate, `basic_auth`); a second job with a wrong password shows the
+server's refusal reaches Prometheus as a 401, not as a silent gap.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import tlspki, waiting
+from tests.test_web_config import MTLS_AUTH, PASSWORD, start, stop, write_config
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("prometheus") is None, reason="prometheus not installed (make test installs it)"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def targets(base: str) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(f"{base}/api/v1/targets", timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    found: list[dict[str, Any]] = body["data"]["activeTargets"]
+    return found
+
+
+def test_prometheus_scrapes_mutual_tls_with_basic_auth(tmp_path: Path) -> None:
+    pki = tlspki.make(tmp_path)
+    server = start(
+        tmp_path,
+        "serve",
+        "--pool",
+        "kv=4MiB",
+        "--web-config-file",
+        write_config(pki, MTLS_AUTH, "mtls.yml"),
+    )
+    target = urllib.parse.urlsplit(server.url).netloc
+
+    def job(name: str, password: str) -> str:
+        return (
+            f"  - job_name: {name}\n"
+            "    scheme: https\n"
+            "    tls_config:\n"
+            f"      ca_file: {pki / 'ca.crt'}\n"
+            f"      cert_file: {pki / 'client.crt'}\n"
+            f"      key_file: {pki / 'client.key'}\n"
+            f"    basic_auth:\n      username: alice\n      password: {json.dumps(password)}\n"
+            f"    static_configs:\n      - targets: ['{target}']\n"
+        )
+
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n"
+        + job("hostpool", PASSWORD)
+        + job("wrong-password", "not it")
+    )
+    port = free_port()
+    prom = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "prometheus.log", "w"),  # noqa: SIM115 (the child owns it)
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def scraped() -> dict[str, dict[str, Any]] | None:
+            try:
+                found = {t["labels"]["job"]: t for t in targets(base)}
+            except OSError:
+                return None  # not listening yet
+            done = len(found) == 2 and all(t["health"] != "unknown" for t in found.values())
+            return found if done else None
+
+        found = waiting.wait_for(scraped, "both targets scraped", alive=prom, interval=0.5)
+        good, bad = found["hostpool"], found["wrong-password"]
+        assert (good["health"], good["lastError"], good["scrapeUrl"]) == (
+            "up",
+            "",
+            server.url,
+        )
+        assert bad["health"] == "down"
+        assert "401" in bad["lastError"], bad["lastError"]
+        query = urllib.parse.urlencode({"query": 'up{job="hostpool"}'})
+
+        def up() -> list[str] | None:
+            with urllib.request.urlopen(f"{base}/api/v1/query?{query}", timeout=10) as r:
+                result = json.loads(r.read())["data"]["result"]
+            return [sample["value"][1] for sample in result] or None
+
+        assert waiting.wait_for(up, "up{job=hostpool}", alive=prom, interval=0.5) == ["1"]
+    finally:
+        prom.send_signal(signal.SIGTERM)
+        prom.wait(timeout=60)
+        stop(server)
