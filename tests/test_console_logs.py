@@ -121,6 +121,22 @@ def test_alloc_and_release_are_debug_and_close_sums_the_pool_up_at_info() -> Non
     del kept
 
 
+def test_pool_closed_sums_up_its_own_manager_only() -> None:
+    """A pool name used by an earlier manager of this process: the summary counts this
+    manager's allocator alone, not the process's life under that name."""
+    with HostPoolManager() as earlier:
+        for _ in range(3):
+            earlier.allocator("sumup_twice").allocate((1 << 20,), torch.uint8)
+    with capture_logs() as logs:
+        with HostPoolManager() as manager:
+            alloc = manager.allocator("sumup_twice")
+            alloc.release(alloc.allocate((2 << 20,), torch.uint8))
+    (closed,) = [e for e in logs if e["event"] == "hostpool.pool_closed"]
+    assert closed["allocations"] == 1 and closed["allocated_bytes"] == 2 << 20
+    assert closed["released_regions"] == 1 and closed["released_bytes"] == 2 << 20
+    assert closed["releases"] == {"explicit": 1} and closed["leaks"] == 0
+
+
 def _events(path: Path) -> list[dict[str, Any]]:
     out = []
     for line in path.read_text(errors="replace").splitlines():

@@ -37,6 +37,7 @@ from hostpool.core.records import (
     DurationHistogram,
     LedgerEntry,
     record_of,
+    tracking_stacks_from_env,
 )
 from hostpool.memory.region import Region
 
@@ -52,10 +53,6 @@ class _AfterUnlock:
     to_close: list[LedgerEntry]
     leaked: list[LedgerEntry]
     fd_reused: list[tuple[str, int, str | None]]
-
-
-def tracking_stacks_from_env() -> bool:
-    return os.environ.get("HOSTPOOL_TRACK_STACKS", "") not in ("", "0", "false", "no")
 
 
 class Ledger:
@@ -94,6 +91,8 @@ class Ledger:
         self.live_pinned: collections.Counter[str] = collections.Counter()
         # Bytes each allocator's regions map (live or not yet gone): the budget's "held".
         self._owner_bytes: collections.Counter[int] = collections.Counter()
+        # (owner, "allocated" or how released) -> [regions, bytes]: an owner's summary.
+        self._owner_ends: dict[tuple[int, str], list[int]] = {}
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -185,6 +184,7 @@ class Ledger:
             if pool not in self.known_pools:
                 self.known_pools[pool] = None
             self.allocations_total[(pool, entry.allocator)] += 1
+            self._tally_owner(entry, "allocated")
             for reason in region.hugepage_fallbacks:
                 self.fallbacks_total[(pool, reason)] += 1
             histogram = self.durations.get(pool)
@@ -219,11 +219,27 @@ class Ledger:
 
     def _begin_release_locked(self, entry: LedgerEntry, how: str, *, announce: bool = True) -> None:
         # Counted now, unmapped after the lock: until then the bytes show as still mapped.
-        self._count_live(entry, -1)
-        self.releases_total[(entry.region.pool, how)] += 1
+        self._count_end(entry, how)
         entry.state = "released_mapped"
         if announce:
             self._finished.append((how, entry))
+
+    def _count_end(self, entry: LedgerEntry, how: str) -> None:
+        self._count_live(entry, -1)
+        self.releases_total[(entry.region.pool, how)] += 1
+        self._tally_owner(entry, how)
+
+    def _tally_owner(self, entry: LedgerEntry, what: str) -> None:
+        tally = self._owner_ends.setdefault((entry.owner, what), [0, 0])
+        tally[0] += 1
+        tally[1] += entry.region.mapped_bytes
+
+    def take_owner_summary(self, owner: int) -> dict[str, tuple[int, int]]:
+        """What `owner`'s regions did so far, {"allocated" or how released: (regions,
+        bytes)}, then forgotten (for a closing allocator's summary)."""
+        with self._locked():
+            keys = [k for k in self._owner_ends if k[0] == owner]
+            return {what: tuple(self._owner_ends.pop((o, what))) for o, what in keys}  # type: ignore[misc]
 
     def _finish_release(self, entry: LedgerEntry) -> bool:
         """Close the region's fd and unmap (outside the lock), then record the outcome."""
@@ -287,8 +303,7 @@ class Ledger:
             if entry.state == "live":
                 if how == "finalizer":
                     how = entry.collected_as  # collected: what that means is the owner's
-                self._count_live(entry, -1)
-                self.releases_total[(entry.region.pool, how)] += 1
+                self._count_end(entry, how)
                 self._finished.append((how, entry))
             if self._peers.get(region_id):
                 # Peers still map it: keep it visible until the last one detaches.
@@ -319,7 +334,6 @@ class Ledger:
                 return sum(self._owner_bytes.values())
             return sum(self._owner_bytes.get(o, 0) for o in owners)
 
-    # -- reading ---------------------------------------------------------------------
     def entries(self, *, owner: int | None = None) -> list[LedgerEntry]:
         """The records of live, released-still-mapped and released-shared regions (of one
         owner, or all), oldest first."""
@@ -359,34 +373,22 @@ class Ledger:
                 "known_pools": list(self.known_pools),
             }
 
-    # -- fork ------------------------------------------------------------------------
     def _after_fork_in_child(self) -> None:
         # The child owns none of the parent's regions: it must not release or count
         # them. (Its lock, a ForkSafeLock, is already a fresh one.)
         self._generation += 1
-        self._entries = {}
-        self._gone = collections.deque()
-        self._dropped = collections.deque()
-        self._to_close = []
-        self._leaked = []
-        self._fd_reused_events = []
-        self._finished = []
-        self._births = []
-        self._callback = None
-        self._peers = {}
-        self._owner_bytes.clear()
-        for live in (self.live_bytes, self.live_count, self.live_modes, self.live_pinned):
-            live.clear()
+        self._gone, self._dropped = collections.deque(), collections.deque()
+        self._to_close, self._leaked, self._fd_reused_events = [], [], []
+        self._finished, self._births, self._callback = [], [], None
+        self._entries, self._peers, self._owner_ends, self.durations = {}, {}, {}, {}
         self.pid = os.getpid()
-        for counter in (
-            self.allocations_total,
-            self.releases_total,
-            self.failures_total,
-            self.fallbacks_total,
-            self.fd_reuse_skips,
-        ):
+        for counter in (self.live_bytes, self.live_count, self.live_modes, self.live_pinned):
             counter.clear()
-        self.durations = {}
+        for totals in (self.allocations_total, self.releases_total, self.failures_total):
+            totals.clear()
+        self.fallbacks_total.clear()
+        self.fd_reuse_skips.clear()
+        self._owner_bytes.clear()
 
 
 _ledger = Ledger()

@@ -4,40 +4,15 @@
 Levels: a release its owner asked for (`explicit`) or that came with its tensor
 (`tensor`) is the normal, per-allocation case: debug. A `finalizer` release (an owner
 collected without releasing: the leak signal), a leak and a reused fd are warnings.
-Every release is also tallied per pool (`released`), for the per-pool summary at info
-(`hostpool.pool_closed`, from the manager).
+The per-pool summary at info is `hostpool.pool_closed`, from the manager.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-import os
-import threading
 
 from hostpool.base import events
 from hostpool.core.records import LedgerEntry
-
-# (pool, how) -> [regions, bytes] released in this process.
-_tally: collections.defaultdict[tuple[str, str], list[int]] = collections.defaultdict(
-    lambda: [0, 0]
-)
-_tally_lock = threading.Lock()
-
-
-def _forget_in_child() -> None:
-    global _tally_lock
-    _tally_lock = threading.Lock()  # a parent's thread may have held it at fork
-    _tally.clear()  # the parent's releases are not the child's
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
-
-
-def released(pool: str) -> dict[str, tuple[int, int]]:
-    """Releases of `pool` in this process so far: {how: (regions, bytes)}."""
-    with _tally_lock:
-        return {how: (n, b) for (p, how), (n, b) in sorted(_tally.items()) if p == pool}
 
 
 def emit_fd_reused(pool: str, fd: int, name: str | None) -> None:
@@ -96,11 +71,6 @@ def release_level(how: str) -> int:
 def emit_releases(finished: list[tuple[str, LedgerEntry]], gone: bool | None = None) -> None:
     """`hostpool.release` for each (how, entry), at `release_level(how)`; `gone`: whether
     the mapping went now (None: ask each region)."""
-    with _tally_lock:
-        for how, entry in finished:
-            counts = _tally[(entry.region.pool, how)]
-            counts[0] += 1
-            counts[1] += entry.region.mapped_bytes
     for how, entry in finished:
         level = release_level(how)
         if not events.stdlib_logger.isEnabledFor(level):

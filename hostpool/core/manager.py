@@ -26,7 +26,7 @@ from hostpool.core.budget import (
     unregister_admission,
 )
 from hostpool.core.ledger import Ledger, get_ledger
-from hostpool.core.ledger_events import emit_leak, released
+from hostpool.core.ledger_events import emit_leak
 from hostpool.core.records import AllocationRecord
 from hostpool.errors import InvalidRequestError
 from hostpool.memory.options import validate_pool_name
@@ -192,22 +192,23 @@ class PoolManager:
         self, allocators: list[HostTensorAllocator], leaks: tuple[AllocationRecord, ...]
     ) -> None:
         """`hostpool.pool_closed` (info) per pool: the per-allocation events are debug, so
-        this is where an operator reads what a pool did and how its regions ended (counts
-        and bytes of this process's life, by how they were released)."""
-        if not events.stdlib_logger.isEnabledFor(logging.INFO):
-            return
-        allocations = self._ledger.counters()["allocations_total"]
+        this is where an operator reads what the pool's allocator did in this manager:
+        regions and bytes allocated, released by how, and still mapped (the leaks)."""
         for a in allocators:
-            ended = released(a.pool)
+            summary = self._ledger.take_owner_summary(a.owner_id)
+            if not events.stdlib_logger.isEnabledFor(logging.INFO):
+                continue
+            allocated = summary.pop("allocated", (0, 0))
             mapped = [r for r in leaks if r.pool == a.pool]
             events.info(
                 "hostpool.pool_closed",
                 pool=a.pool,
                 allocator=a.registered_name,
-                allocations=allocations.get((a.pool, a.registered_name), 0),
-                released_regions=sum(n for n, _ in ended.values()),
-                released_bytes=sum(b for _, b in ended.values()),
-                releases={how: n for how, (n, _) in ended.items()},
+                allocations=allocated[0],
+                allocated_bytes=allocated[1],
+                released_regions=sum(n for n, _ in summary.values()),
+                released_bytes=sum(b for _, b in summary.values()),
+                releases={how: n for how, (n, _) in summary.items()},
                 leaks=len(mapped),  # still mapped by live views: the LeakReport
                 leaked_bytes=sum(r.mapped_bytes for r in mapped),
             )

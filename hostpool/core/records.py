@@ -123,6 +123,11 @@ def record_of(entry: Any, peers: int = 0) -> AllocationRecord:
     )
 
 
+def tracking_stacks_from_env() -> bool:
+    """Whether HOSTPOOL_TRACK_STACKS asks for allocation stacks in every record."""
+    return os.environ.get("HOSTPOOL_TRACK_STACKS", "") not in ("", "0", "false", "no")
+
+
 def capture_stack(skip: int = 2) -> str:
     """The caller's stack, innermost last, without hostpool's own frames."""
     frames = traceback.extract_stack()[:-skip]
