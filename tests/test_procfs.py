@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hostpool.proc import names, procfs, procgroup, scan
+from hostpool.proc import names, procfs, procgroup, scan, statx
 from hostpool.proc.names import ShmName, classify_path, parse_name
 from tests import helpers, waiting
 
@@ -482,6 +482,74 @@ def test_an_fd_whose_path_the_kernel_cannot_spell_is_skipped(
         assert totals[pool].resident_bytes == PAGE
         # the detailed reader (inspect, the leak check) skips it too
         assert len(procfs.shm_fds(proc.pid, (prefix,))) == 2
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# -- fds identified by inode, cheaply ---------------------------------------------------
+
+
+def test_fdstat_identifies_an_fd_as_fstat_does(memfd: tuple[str, int]) -> None:
+    _name, fd = memfd
+    os.pwrite(fd, b"x" * (5 * PAGE), 0)
+    st = os.fstat(fd)
+    _fd_dir, dir_fd = procfs.open_fd_dir("self")
+    try:
+        fdstat = statx.FdStat()
+        assert fdstat.identity(dir_fd, str(fd).encode()) == statx.identity_of(st.st_dev, st.st_ino)
+        assert fdstat.mode_blocks() == (st.st_mode, st.st_blocks) == (st.st_mode, 5 * PAGE // 512)
+        closed = os.dup(fd)
+        os.close(closed)
+        with pytest.raises(FileNotFoundError):
+            fdstat.identity(dir_fd, str(closed).encode())
+    finally:
+        os.close(dir_fd)
+
+
+def test_a_maps_line_names_the_object_as_its_fds_do(memfd: tuple[str, int]) -> None:
+    """The key of a mapped object (from maps' `major:minor inode`) is the identity a
+    statx of an fd for it gives: that is how fds are joined to mappings."""
+    name, fd = memfd
+    with mmap.mmap(fd, PAGE):
+        holdings = scan.read_holdings("self", scan.Matcher((name,)))
+        st = os.fstat(fd)
+        assert list(holdings.objects) == [statx.identity_of(st.st_dev, st.st_ino)]
+        (obj,) = holdings.objects.values()
+        assert obj.fds == 2  # the fixture's fd and mmap's dup
+
+
+NAMESAKE_HOLDER = """
+import mmap, os, sys
+name, PAGE = sys.argv[1], mmap.PAGESIZE
+# the same name, another object: held, never mapped; its fd comes first (a lower number)
+twin = os.memfd_create(name)
+os.pwrite(twin, b"y" * (64 * PAGE), 0)
+fd = os.memfd_create(name)
+os.ftruncate(fd, 1 << 20)
+mm = mmap.mmap(fd, 1 << 20)
+mm.write(b"x" * (3 * PAGE))
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("fds_by", ["stat", "link"])
+def test_a_namesake_fd_is_counted_but_never_lends_its_pages(fds_by: scan.FdStrategy) -> None:
+    """Any process may name a memfd like a mapped one: its fd counts for the pool (the
+    name decides that), but the mapped object's residency is its own pages (3), never
+    the namesake's (64): an fd is trusted for pages only once its inode is the
+    mapping's."""
+    name = f"hostpool.twin{secrets.token_hex(3)}.1.0"
+    proc = helpers.python_child(NAMESAKE_HOLDER, name)
+    try:
+        matcher = scan.Matcher((name,))
+        holdings = scan.read_holdings(proc.pid, matcher, fds_by=fds_by)
+        assert scan.fill_residency(holdings, matcher, {})
+        totals = procgroup.holdings_totals(holdings)
+        (pool,) = totals.values()
+        assert (pool.open_fds, pool.mappings, pool.mapped_bytes) == (3, 1, MiB)
+        assert pool.resident_bytes == 3 * PAGE
     finally:
         proc.kill()
         proc.wait()

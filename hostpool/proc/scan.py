@@ -22,30 +22,36 @@ from hostpool.proc.procfs import (
     open_fd_dir,
     read_proc_bytes,
 )
-from hostpool.proc.statx import stat_fd
+from hostpool.proc.statx import FdStat, Identity
 
 #
 # `read_process` keeps every fd and VMA and reads smaps (a page-table walk). The
 # exporter needs less per object: its name, the bytes mapped and the pages it holds. So
-# maps is parsed in bulk (one regex over the file, keeping only the lines that name a
-# prefix), each fd is identified with one syscall where possible, and residency is one
-# statx per object (`st_blocks`: the same cost at any size).
+# maps is parsed in bulk (one regex over the file, one tuple of fields per line, each
+# path looked up in the names already parsed), each fd is identified with one syscall
+# where possible, and residency is one statx per object (`st_blocks`: the same cost at
+# any size).
 
-Key = tuple[int, int] | bytes  # (st_dev, st_ino); an inode-less anonymous VMA's path
+Key = Identity | bytes  # (st_ino, dev major, dev minor); an inode-less anonymous VMA's path
 
 _CHECK_EVERY: Final = 256  # fds between two looks at the deadline
 _NAMES_KEPT: Final = 1 << 20
 _ROTATE_EVERY: Final = 16  # complete scans between two clean-ups of the parsed paths
 _UNKNOWN: Final[Any] = object()
+# a maps (or smaps header) line with a path: start, end, offset, major:minor, inode, path
+_MAPS_LINE: Final = rb"^([0-9a-f]+)-([0-9a-f]+) [^ \n]+ ([0-9a-f]+) ([0-9a-f]+:[0-9a-f]+) (\d+) +"
 
 
 class Matcher:
-    """The shm paths that name one of `prefixes`, and what each says (kind, parsed name).
+    """What each path met in maps or an fd link says: the kind and parsed name of a shm
+    object that names one of `prefixes`, or None.
 
-    Parsed paths are kept from one scan to the next (`next_scan`): a name lives as long
-    as its object, so a scrape parses only the names that are new since the last. Only
-    the paths the last two scans met are kept, so memory follows what processes hold.
-    Not locked: concurrent scans with one Matcher at worst parse a name twice.
+    Parsed paths (those that name no match too: a library, `[heap]`) are kept from one
+    scan to the next (`next_scan`): a name lives as long as its object, so a scrape
+    parses only the paths that are new since the last, and a maps line costs one dict
+    lookup. Only the paths the last two scans met are kept, so memory follows what
+    processes hold. Not locked: concurrent scans with one Matcher at worst parse a path
+    twice.
     """
 
     def __init__(self, prefixes: Sequence[str]) -> None:
@@ -53,17 +59,16 @@ class Matcher:
             raise ConfigError("a Matcher needs non-empty prefixes")
         self.prefixes = tuple(prefixes)
         self.needles = tuple(p.encode(errors="surrogateescape") for p in self.prefixes)
-        # a maps (or smaps header) line whose path mentions a prefix: start, end, offset,
-        # major:minor, inode, path; the regex engine skips every other line
+        # every maps line with a path; smaps headers whose path mentions a prefix (the
+        # regex engine skips the other lines and every `Name: value kB` line)
         alternatives = b"|".join(re.escape(n) for n in self.needles)
-        self.maps_line = re.compile(
-            rb"^([0-9a-f]+)-([0-9a-f]+) \S+ ([0-9a-f]+) ([0-9a-f]+:[0-9a-f]+) (\d+) +"
-            rb"([^\n]*?(?:" + alternatives + rb")[^\n]*)$",
-            re.MULTILINE,
+        self.maps_line = re.compile(_MAPS_LINE + rb"([^\n]+)", re.MULTILINE)
+        self.smaps_line = re.compile(
+            _MAPS_LINE + rb"([^\n]*?(?:" + alternatives + rb")[^\n]*)$", re.MULTILINE
         )
         self.parsed: dict[bytes, tuple[Kind, ShmName] | None] = {}  # met in this scan
         self._previous: dict[bytes, tuple[Kind, ShmName] | None] = {}
-        self.devices: dict[bytes, int] = {}  # maps `major:minor` -> st_dev
+        self.devices: dict[bytes, tuple[int, int]] = {}  # `major:minor` -> ints
         self._scans = 0
 
     def mentions(self, data: bytes) -> bool:
@@ -83,13 +88,20 @@ class Matcher:
         self.parsed[path] = hit
         return hit  # type: ignore[no-any-return]
 
-    def device(self, text: bytes) -> int:
-        """st_dev of a maps `major:minor` field (few distinct values: cached)."""
+    def device(self, text: bytes) -> tuple[int, int]:
+        """(major, minor) of a maps `major:minor` field (few distinct values: cached)."""
         dev = self.devices.get(text)
         if dev is None:
             major, _, minor = text.partition(b":")
-            dev = self.devices[text] = os.makedev(int(major, 16), int(minor, 16))
+            dev = self.devices[text] = (int(major, 16), int(minor, 16))
         return dev
+
+    def key(self, dev: bytes, ino: bytes, path: bytes) -> Key:
+        """The object a maps line maps: its identity, or its path when it has no inode."""
+        if ino == b"0":
+            return path
+        major, minor = self.device(dev)
+        return int(ino), major, minor
 
     def next_scan(self, *, complete: bool = True) -> None:
         """Called after each scan: every `_ROTATE_EVERY` complete scans, forget the paths
@@ -205,7 +217,7 @@ def fill_residency(
 
 def _mapped_objects(data: bytes, matcher: Matcher) -> dict[Key, HeldObject]:
     objects: dict[Key, HeldObject] = {}
-    known, lookup = matcher.parsed.get, matcher.lookup
+    get, known, lookup = objects.get, matcher.parsed.get, matcher.lookup
     devices, device = matcher.devices.get, matcher.device
     for start, end, offset, dev, ino, path in matcher.maps_line.findall(data):
         hit = known(path, _UNKNOWN)
@@ -213,16 +225,18 @@ def _mapped_objects(data: bytes, matcher: Matcher) -> dict[Key, HeldObject]:
             hit = lookup(path)
         if hit is None:
             continue
-        key: Key = (devices(dev) or device(dev), int(ino)) if ino != b"0" else path
-        lo, hi = int(start, 16), int(end, 16)
-        obj = objects.get(key)
+        if ino == b"0":
+            key: Key = path
+        else:
+            major, minor = devices(dev) or device(dev)
+            key = (int(ino), major, minor)
+        lo, hi, at = int(start, 16), int(end, 16), int(offset, 16)
+        obj = get(key)
         if obj is None:
-            objects[key] = HeldObject(hit[0], hit[1], path, 1, hi - lo, hi,
-                                      int(offset, 16) + hi - lo)  # fmt: skip
+            objects[key] = HeldObject(hit[0], hit[1], path, 1, hi - lo, hi, at + hi - lo)
             continue
         # maps is sorted by address: a VMA starting where this object's last one ended,
         # at the next offset in the file, is the rest of one mmap split by madvise
-        at = int(offset, 16)
         if not (obj.end == lo and (obj.kind == "anon" or obj.offset_end == at)):
             obj.mappings += 1
         obj.mapped_bytes += hi - lo
@@ -268,30 +282,34 @@ class _FdReader:
         self.unmapped: Unmapped = {}
 
     def by_stat(self, entries: list[bytes], deadline: float | None) -> tuple[Unmapped, bool]:
-        objects, dir_fd = self.objects, self.dir_fd
-        for i, entry in enumerate(entries):
-            if deadline is not None and i % _CHECK_EVERY == 0 and time.monotonic() > deadline:
+        get, dir_fd, fdstat = self.objects.get, self.dir_fd, FdStat()
+        identity, mode_blocks = fdstat.identity, fdstat.mode_blocks
+        for first in range(0, len(entries), _CHECK_EVERY):
+            if deadline is not None and time.monotonic() > deadline:
                 return self.unmapped, False
-            try:
-                mode, dev, ino, blocks = stat_fd(dir_fd, entry)
-            except GONE:
-                continue  # closed since the listing
-            except OSError:
-                # its filesystem refused (another user's FUSE mount, a stale NFS handle):
-                # its link still names it; a link we may not read closes the process to us
-                self._unmapped(entry)
-                continue
-            obj = objects.get((dev, ino))
-            if obj is not None:
-                obj.fds += 1
-                obj.allocated_bytes = blocks * 512
-            elif stat.S_ISREG(mode):  # memfds and shm files are regular files
-                self._unmapped(entry)
+            for entry in entries[first : first + _CHECK_EVERY]:
+                try:
+                    key = identity(dir_fd, entry)
+                except GONE:
+                    continue  # closed since the listing
+                except OSError:
+                    # its filesystem refused (another user's FUSE mount, a stale NFS
+                    # handle): its link still names it; a link we may not read closes
+                    # the process to us
+                    self._unmapped(entry)
+                    continue
+                obj = get(key)
+                if obj is not None:
+                    obj.fds += 1
+                    if obj.allocated_bytes is None:  # once per object and scan
+                        obj.allocated_bytes = mode_blocks()[1] * 512
+                elif stat.S_ISREG(mode_blocks()[0]):  # memfds, shm files: regular files
+                    self._unmapped(entry)
         return self.unmapped, True
 
     def by_link(self, entries: list[bytes], deadline: float | None) -> tuple[Unmapped, bool]:
         objects, dir_fd, lookup = self.objects, self.dir_fd, self.matcher.lookup
-        needles = self.matcher.needles
+        needles, fdstat = self.matcher.needles, FdStat()
         by_path: dict[bytes, list[HeldObject]] = {}  # the fd links that name mapped objects
         for held in objects.values():
             if held.kind != "anon":
@@ -312,17 +330,17 @@ class _FdReader:
             # for its pages); the name alone decides the pool
             if any(held.allocated_bytes is None for held in candidates):
                 try:
-                    _mode, dev, ino, blocks = stat_fd(dir_fd, entry)
+                    key = fdstat.identity(dir_fd, entry)
                 except GONE:
                     continue  # closed since the listing
                 except OSError:  # its filesystem refused: the name still decides the pool
                     candidates[0].fds += 1
                     continue
-                found = objects.get((dev, ino))
+                found = objects.get(key)
                 if found is None:
                     self._count(target, candidates[0].name)  # an unmapped namesake
                     continue
-                found.allocated_bytes = blocks * 512
+                found.allocated_bytes = fdstat.mode_blocks()[1] * 512
                 found.fds += 1
             else:
                 candidates[0].fds += 1  # same name, same pool
@@ -357,9 +375,9 @@ def _smaps_resident(pid: Pid, matcher: Matcher, keys: set[Key]) -> dict[Key, int
     `Name: value kB` fields, VmFlags last)."""
     data = read_proc_bytes(pid, f"/proc/{pid}/smaps")
     out: dict[Key, int] = {}
-    for m in matcher.maps_line.finditer(data):
+    for m in matcher.smaps_line.finditer(data):
         _start, _end, _offset, dev, ino, path = m.groups()
-        key: Key = (matcher.device(dev), int(ino)) if ino != b"0" else path
+        key = matcher.key(dev, ino, path)
         if key not in keys:
             continue
         stop = data.find(b"\nVmFlags:", m.end())
