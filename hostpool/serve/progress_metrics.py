@@ -70,8 +70,9 @@ class PopulateState:
             return out
 
     def readiness(self) -> tuple[bool, str]:
-        """(ready, the one line /readyz answers): `ready`, `stopping`, or what is still
-        populating, such as `populating kv: 1.2GiB of 4GiB`."""
+        """(ready, the one line /readyz answers): `ready`, `stopping`, what is still
+        populating, such as `populating kv: 1.2GiB of 4GiB`, or `starting` once every
+        pool is populated and the share socket or demo load are not started yet."""
         if self.stopping:
             return False, "stopping"
         with self._lock:
