@@ -17,10 +17,11 @@ from typing import Any
 
 from hostpool.errors import AllocationError, HugepageUnavailableError
 from hostpool.memory import cuda, failures, kernel, populate, shm, syscalls
+from hostpool.memory.facts import RegionFacts, holder_over_tensor, region_over
 from hostpool.memory.holders import holder_type
 from hostpool.memory.hugepages import HugepagePlan, plan_hugepages, required_message
 from hostpool.memory.options import Kind, RegionOptions
-from hostpool.memory.region import Region, RegionMapping, new_region
+from hostpool.memory.region import Region, RegionMapping
 
 
 def _pin(
@@ -261,27 +262,18 @@ def _create(
         syscalls.madvise(address, mapped, syscalls.MADV_NOHUGEPAGE)
     t_pop = time.perf_counter()
     used = _populate(b, populate_mode, address, mapped, page_size, options)
-    populate_seconds = time.perf_counter() - t_pop
+    seconds = time.perf_counter() - t_pop
     if options.pin:
         b.chunks = _pin(address, mapped, options, page_size)
 
-    region = new_region(
+    facts = RegionFacts(pool, kind, backend, nbytes, used, seconds, fallbacks, name, page_size)
+    region = region_over(
         b.holder,
         on_unmapped,
+        facts,
         mapping=b.mm,
         fd=b.fd,
         pinned_chunks=b.chunks,
-        pool=pool,
-        kind=kind,
-        backend=backend,
-        name=name,
-        requested_bytes=nbytes,
-        mapped_bytes=mapped,
-        page_size=page_size,
-        address=address,
-        populate_mode=used,
-        populate_seconds=populate_seconds,
-        hugepage_fallbacks=fallbacks,
         thp_advised=plan.thp,
         seals=seals,
         numa_node=options.numa_node,
@@ -329,10 +321,7 @@ def _create_torch(
 
     mapped = max(nbytes, 1)
     b.torch_tensor = torch.empty(mapped, dtype=torch.uint8)
-    address = int(b.torch_tensor.data_ptr())
-    holder = holder_type(mapped).from_address(address)
-    holder._owner = b.torch_tensor  # type: ignore[attr-defined]  # keeps torch's storage alive
-    b.holder = holder
+    b.holder = holder = holder_over_tensor(b.torch_tensor, mapped)
     t_pop = time.perf_counter()
     mode = options.populate
     if mode == "auto":
@@ -341,25 +330,11 @@ def _create_torch(
         # torch's memory is malloc'd: zero_() (multi-threaded) is the way to fault it in.
         b.torch_tensor.zero_()
         mode = "touch"
-    populate_seconds = time.perf_counter() - t_pop
+    seconds = time.perf_counter() - t_pop
     if options.pin:
-        b.chunks = _pin(address, mapped, options, syscalls.PAGE_SIZE)
-    region = new_region(
-        holder,
-        on_unmapped,
-        pinned_chunks=b.chunks,
-        pool=pool,
-        kind="torch",
-        backend="torch",
-        name=None,
-        requested_bytes=nbytes,
-        mapped_bytes=mapped,
-        page_size=syscalls.PAGE_SIZE,
-        address=address,
-        populate_mode=mode,
-        populate_seconds=populate_seconds,
-        hugepage_fallbacks=plan.fallbacks,
-    )
+        b.chunks = _pin(ctypes.addressof(holder), mapped, options, syscalls.PAGE_SIZE)
+    facts = RegionFacts(pool, "torch", "torch", nbytes, mode, seconds, plan.fallbacks)
+    region = region_over(holder, on_unmapped, facts, pinned_chunks=b.chunks)
     b.torch_tensor = None
     b.holder = None
     b.chunks = []

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hostpool.memory import syscalls
-from hostpool.memory.holders import holder_type, tensor_over
-from hostpool.memory.region import Region, new_region
+from hostpool.memory.facts import RegionFacts, holder_over_tensor, region_over
+from hostpool.memory.holders import tensor_over
+from hostpool.memory.region import Region
 
 FOREIGN_BACKEND = "foreign"
 
@@ -22,22 +22,7 @@ def adopt(tensor: Any, pool: str, on_unmapped: Callable[..., None] | None) -> tu
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()  # what a copy costs beats an untracked strided view
     nbytes = max(tensor.numel() * tensor.element_size(), 1)
-    address = int(tensor.data_ptr())
-    holder = holder_type(nbytes).from_address(address)
-    holder._owner = tensor  # type: ignore[attr-defined]  # the foreign allocator's memory lives as long as our views
-    region = new_region(
-        holder,
-        on_unmapped,
-        pool=pool,
-        kind="torch",
-        backend=FOREIGN_BACKEND,
-        name=None,
-        requested_bytes=nbytes,
-        mapped_bytes=nbytes,
-        page_size=syscalls.PAGE_SIZE,
-        address=address,
-        populate_mode="none",
-        populate_seconds=0.0,
-    )
+    holder = holder_over_tensor(tensor, nbytes)  # the foreign memory lives as our views do
+    region = region_over(holder, on_unmapped, RegionFacts(pool, "torch", FOREIGN_BACKEND, nbytes))
     view = tensor_over(holder, tuple(tensor.shape), tensor.dtype) if tensor.numel() else tensor
     return region, view
