@@ -62,27 +62,16 @@ class RegionOptions:
             )
         values: dict[str, Any] = {}
         mode = options.get("hugepages", "off")
-        if mode is None or mode is False:
-            mode = "off"
-        if mode not in HUGEPAGE_MODES:
-            raise InvalidRequestError(f"hugepages must be one of {HUGEPAGE_MODES}, got {mode!r}")
-        values["hugepages"] = mode
+        mode = "off" if mode is None or mode is False else mode
+        values["hugepages"] = _one_of("hugepages", mode, HUGEPAGE_MODES)
         if "hugepage_size" in options:
             values["hugepage_size"] = _hugepage_size(options["hugepage_size"])
-        populate = options.get("populate", "auto")
-        if populate not in POPULATE_CHOICES:
-            raise InvalidRequestError(
-                f"populate must be one of {POPULATE_CHOICES}, got {populate!r}"
-            )
-        values["populate"] = populate
+        values["populate"] = _one_of("populate", options.get("populate", "auto"), POPULATE_CHOICES)
         threads = options.get("populate_threads", 0)
         if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= 256:
             raise InvalidRequestError(f"populate_threads must be an int in 0..256, got {threads!r}")
         values["populate_threads"] = threads
-        pin = options.get("pin", False)
-        if not isinstance(pin, bool):
-            raise InvalidRequestError(f"pin must be True or False, got {pin!r}")
-        values["pin"] = pin
+        values["pin"] = _flag("pin", options.get("pin", False))
         if "pin_chunk_bytes" in options:
             chunk = parse_size(options["pin_chunk_bytes"], what="pin_chunk_bytes")
             if chunk <= 0:
@@ -90,9 +79,7 @@ class RegionOptions:
             values["pin_chunk_bytes"] = chunk
         values["numa_node"] = _numa_node(options.get("numa_node"))
         backend = options.get("shm_backend", "auto")
-        if backend not in SHM_BACKENDS:
-            raise InvalidRequestError(f"shm_backend must be one of {SHM_BACKENDS}, got {backend!r}")
-        values["shm_backend"] = backend
+        values["shm_backend"] = _one_of("shm_backend", backend, SHM_BACKENDS)
         fallback_dir = options.get("fallback_dir", "/dev/shm")
         if not isinstance(fallback_dir, str | os.PathLike) or not os.path.isdir(fallback_dir):
             raise InvalidRequestError(
@@ -103,14 +90,25 @@ class RegionOptions:
         if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", prefix):
             raise InvalidRequestError(f"name_prefix must be [A-Za-z0-9_.-]{{1,64}}: {prefix!r}")
         values["name_prefix"] = prefix
-        seal = options.get("seal", True)
-        if not isinstance(seal, bool):
-            raise InvalidRequestError(f"seal must be True or False, got {seal!r}")
-        values["seal"] = seal
+        values["seal"] = _flag("seal", options.get("seal", True))
         return cls(**values)
 
     def effective_populate_threads(self) -> int:
         return self.populate_threads or _DEFAULT_THREADS
+
+
+def _one_of(name: str, value: object, choices: tuple[str, ...]) -> object:
+    """`value` of option `name` if it is one of `choices`; InvalidRequestError otherwise."""
+    if value not in choices:
+        raise InvalidRequestError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def _flag(name: str, value: object) -> bool:
+    """`value` of option `name` if it is a bool; InvalidRequestError otherwise."""
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _hugepage_size(value: object) -> int:
