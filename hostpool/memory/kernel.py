@@ -47,24 +47,15 @@ def hugepage_pools() -> dict[int, HugepagePool]:
         return pools
     for entry in SYS_HUGEPAGES.iterdir():
         match = re.fullmatch(r"hugepages-(\d+)kB", entry.name)
-        if not match:
-            continue
-        size = int(match.group(1)) * 1024
-        try:
-            pools[size] = HugepagePool(
-                page_size=size,
-                total=_read_int(entry / "nr_hugepages"),
-                free=_read_int(entry / "free_hugepages"),
-                reserved=_read_int(entry / "resv_hugepages"),
-                surplus=_read_int(entry / "surplus_hugepages"),
-            )
-        except (OSError, ValueError):
-            continue
+        pool = hugepage_pool(int(match.group(1)) * 1024) if match else None
+        if pool is not None:
+            pools[pool.page_size] = pool
     return pools
 
 
 def hugepage_pool(page_size: int) -> HugepagePool | None:
-    """The pool of one size, read afresh (cheaper than all sizes on the hot path)."""
+    """The pool of one size, read afresh (cheaper than all sizes on the hot path); None
+    where the kernel has no such size or its files cannot be read."""
     entry = SYS_HUGEPAGES / f"hugepages-{page_size // 1024}kB"
     try:
         return HugepagePool(
@@ -78,23 +69,25 @@ def hugepage_pool(page_size: int) -> HugepagePool | None:
         return None
 
 
-def _bracketed(path: Path) -> str | None:
+def bracketed(path: Path) -> str | None:
+    """The selected value of a sysfs choice file ("always [madvise] never" -> "madvise");
+    None when the file is absent or unreadable or selects nothing."""
     try:
         text = path.read_text()
     except OSError:
         return None
-    match = re.search(r"\[(\w[\w+-]*)\]", text)
+    match = re.search(r"\[([\w+-]+)\]", text)
     return match.group(1) if match else None
 
 
 def shmem_thp_mode() -> str | None:
     """`shmem_enabled`: always, within_size, advise, never, deny or force (None if absent)."""
-    return _bracketed(SHMEM_THP)
+    return bracketed(SHMEM_THP)
 
 
 def anon_thp_mode() -> str | None:
     """Anonymous THP: always, madvise or never (None if absent)."""
-    return _bracketed(ANON_THP)
+    return bracketed(ANON_THP)
 
 
 def shmem_thp_allowed() -> bool:
@@ -122,35 +115,39 @@ def numa_nodes() -> list[int]:
     return nodes
 
 
-def probe_memfd() -> bool:
+def _probe_fd(flags: int) -> int | None:
+    """A close-on-exec probe memfd made with `flags` (the caller closes it), or None where
+    memfd_create refuses them (no memfd, or a flag this kernel lacks: EINVAL)."""
     try:
-        fd = syscalls.memfd_create("hostpool.probe", syscalls.MFD_CLOEXEC)
+        return syscalls.memfd_create("hostpool.probe", syscalls.MFD_CLOEXEC | flags)
     except OSError:
+        return None
+
+
+def _probe_flags(flags: int) -> bool:
+    fd = _probe_fd(flags)
+    if fd is None:
         return False
     os.close(fd)
     return True
+
+
+def probe_memfd() -> bool:
+    """Whether memfd_create works here."""
+    return _probe_flags(0)
 
 
 def probe_noexec_seal() -> bool:
     """MFD_NOEXEC_SEAL (Linux 6.3+): EINVAL on older kernels."""
-    try:
-        fd = syscalls.memfd_create(
-            "hostpool.probe", syscalls.MFD_CLOEXEC | syscalls.MFD_NOEXEC_SEAL
-        )
-    except OSError:
-        return False
-    os.close(fd)
-    return True
+    return _probe_flags(syscalls.MFD_NOEXEC_SEAL)
 
 
 def probe_sealing() -> bool:
+    """Whether a memfd can be sealed against shrinking and growing."""
     import fcntl
 
-    try:
-        fd = syscalls.memfd_create(
-            "hostpool.probe", syscalls.MFD_CLOEXEC | syscalls.MFD_ALLOW_SEALING
-        )
-    except OSError:
+    fd = _probe_fd(syscalls.MFD_ALLOW_SEALING)
+    if fd is None:
         return False
     try:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)

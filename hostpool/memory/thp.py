@@ -6,9 +6,10 @@ Read from /sys and /proc, never guessed. The choice made from them is
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from hostpool.memory.kernel import bracketed
 
 THP_DIR = Path("/sys/kernel/mm/transparent_hugepage")
 PAGE_REPORTING_ORDER = Path("/sys/module/page_reporting/parameters/page_reporting_order")
@@ -49,15 +50,6 @@ class ThpFacts:
         return self.reporting_order is not None and self.reporting_order <= self.hugepage_order
 
 
-def _bracketed(path: Path) -> str | None:
-    try:
-        text = path.read_text()
-    except OSError:
-        return None
-    match = re.search(r"\[([\w+-]+)\]", text)
-    return match.group(1) if match else None
-
-
 def _read_int(path: Path) -> int | None:
     try:
         return int(path.read_text().strip())
@@ -96,9 +88,9 @@ def read_facts(root: Path = THP_DIR) -> ThpFacts:
     hugepage = _read_int(root / "hpage_pmd_size") or 2 << 20
     order = (hugepage // BASE_PAGE).bit_length() - 1
     return ThpFacts(
-        enabled=_bracketed(root / "enabled"),
-        shmem_enabled=_bracketed(root / "shmem_enabled"),
-        defrag=_bracketed(root / "defrag"),
+        enabled=bracketed(root / "enabled"),
+        shmem_enabled=bracketed(root / "shmem_enabled"),
+        defrag=bracketed(root / "defrag"),
         hugepage_bytes=hugepage,
         reporting_order=reporting_order(),
         free_hugepage_bytes=free_block_bytes(order),
