@@ -55,13 +55,10 @@ class FixedBudget:
 
     def admit(self, need: int, held: int) -> None:
         if held + need > self.limit:
-            raise AllocationError(
+            raise _refusal(
                 f"budget refused: need {_b(need)} with {_b(held)} already held, budget "
                 f"{_b(self.limit)} (explicit budget)",
-                reason="budget",
-                need_bytes=need,
-                available_bytes=max(0, self.limit - held),
-                limit_bytes=self.limit,
+                ("budget", need, self.limit - held, self.limit),
             )
 
     def reserved_bytes(self) -> int:
@@ -70,6 +67,19 @@ class FixedBudget:
 
 def _b(n: int) -> str:
     return f"{n} bytes ({format_size(n)})"
+
+
+def _refusal(message: str, figures: tuple[str, int, int, int | None]) -> AllocationError:
+    """The AllocationError of a refused admission: `figures` is (reason, bytes needed,
+    bytes the refusing limit has left, that limit or None); what is left is never below 0."""
+    reason, need, available, limit = figures
+    return AllocationError(
+        message,
+        reason=reason,
+        need_bytes=need,
+        available_bytes=max(0, available),
+        limit_bytes=limit,
+    )
 
 
 def as_policy(budget: int | BudgetPolicy | None) -> BudgetPolicy | None:
@@ -217,25 +227,20 @@ class Admission:
         self._check_policy(need)
         available = kernel.meminfo().get("MemAvailable", 0) - self.headroom - inflight
         if need > available:
-            raise AllocationError(
+            raise _refusal(
                 f"{self._refused()}: need {_b(need)}, available {_b(max(0, available))} "
                 f"(MemAvailable minus {_b(self.headroom)} headroom"
                 + (f" minus {_b(inflight)} being allocated" if inflight else "")
                 + ")",
-                reason=self.kernel_reason,
-                need_bytes=need,
-                available_bytes=max(0, available),
+                (self.kernel_reason, need, available, None),
             )
         limit = cgroup.memory_limit()
         if limit is not None and need > limit.free - inflight:
             room = max(0, limit.free - inflight)
-            raise AllocationError(
+            raise _refusal(
                 f"{self._refused()}: need {_b(need)}, cgroup allows {_b(room)}"
                 f" more (limit {_b(limit.limit)} minus usage {_b(limit.usage)}, {limit.source})",
-                reason=self.kernel_reason,
-                need_bytes=need,
-                available_bytes=room,
-                limit_bytes=limit.limit,
+                (self.kernel_reason, need, room, limit.limit),
             )
 
     def _refused(self) -> str:
@@ -248,26 +253,21 @@ class Admission:
         free = (pool.available * size if pool else 0) - inflight
         if need > free:
             pages = -(-need // size)
-            raise AllocationError(
+            raise _refusal(
                 f"budget refused: need {pages} hugepages of {format_size(size)} ({_b(need)}), "
                 f"{max(0, free) // size} free (free minus reserved"
                 + (f", minus {inflight // size} being allocated" if inflight else "")
                 + f"); reserve more in /sys/kernel/mm/hugepages/hugepages-{size // 1024}kB/"
                 "nr_hugepages",
-                reason="hugepages",
-                need_bytes=need,
-                available_bytes=max(0, free),
+                ("hugepages", need, free, None),
             )
         limit = cgroup.hugetlb_limit(_hugetlb_label(size))
         if limit is not None and need > limit.free - inflight:
-            raise AllocationError(
+            raise _refusal(
                 f"budget refused: need {_b(need)} of {_hugetlb_label(size)} hugepages, "
                 f"hugetlb cgroup allows {_b(max(0, limit.free - inflight))} "
                 f"(limit {_b(limit.limit)}, {limit.source})",
-                reason="hugepages",
-                need_bytes=need,
-                available_bytes=max(0, limit.free - inflight),
-                limit_bytes=limit.limit,
+                ("hugepages", need, limit.free - inflight, limit.limit),
             )
 
     def limit_bytes(self) -> int | None:
