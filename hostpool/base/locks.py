@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from types import TracebackType
 
 _every: weakref.WeakSet[ForkSafeLock] = weakref.WeakSet()
 
@@ -36,13 +35,8 @@ class ForkSafeLock:
     def __enter__(self) -> bool:
         return self._lock.acquire()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._lock.release()
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()  # whatever the block raised, or nothing
 
 
 def _after_fork_in_child() -> None:

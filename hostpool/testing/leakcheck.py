@@ -29,8 +29,8 @@ from __future__ import annotations
 import gc
 import sys
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 from hostpool.base.units import format_size
@@ -103,7 +103,7 @@ class ShmLeakError(AssertionError):
         super().__init__("\n".join(lines))
 
 
-class LeakCheck:
+class LeakCheck(AbstractContextManager["LeakCheck"]):
     """A baseline of this process's shm fds and mappings, and the check against it.
 
     A context manager: the check runs at exit, unless the block raised (its exception
@@ -128,16 +128,8 @@ class LeakCheck:
         if leaks:
             raise ShmLeakError(leaks)
 
-    def __enter__(self) -> LeakCheck:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc_type is None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:  # the block raised nothing: check what it left behind
             self.verify()
 
 
