@@ -38,7 +38,7 @@ import time
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from hostpool.base import events
 from hostpool.integrations.importhook import Switch
@@ -54,6 +54,7 @@ from hostpool.integrations.vllm.recording import (
 
 REGION_MODULE = "vllm.v1.kv_offload.cpu.shared_offload_region"
 WORKER_MODULE = "vllm.v1.kv_offload.cpu.gpu_worker"
+_Entry = TypeVar("_Entry")
 
 
 # (class or module, attribute, original) put back by uninstall().
@@ -199,19 +200,35 @@ def _timed_barrier(barrier: Callable[[], None], state: Populate) -> Callable[[],
     return timed
 
 
-def _region_cleanup(original: Callable[..., None]) -> Callable[..., None]:
-    def cleanup(self: Any) -> None:
-        try:
-            original(self)
-        finally:
-            with _switch.lock:
-                region = _regions.pop(self, None)
-            if region is not None:
-                from hostpool.core.ledger import get_ledger
+def _ending(
+    table: weakref.WeakKeyDictionary[Any, _Entry], end: Callable[[_Entry], None]
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """The `_patch` maker for a method that ends a vLLM object (`cleanup`, `shutdown`):
+    vLLM's original runs first; then, whatever it raised, the object's entry leaves `table`
+    (under the switch's lock) and `end(entry)` releases what hostpool recorded for it."""
 
-                get_ledger().release(region.id)
+    def make(original: Callable[..., None]) -> Callable[..., None]:
+        def ended(self: Any) -> None:
+            try:
+                original(self)
+            finally:
+                with _switch.lock:
+                    entry = table.pop(self, None)
+                if entry is not None:
+                    end(entry)
 
-    return cleanup
+        return ended
+
+    return make
+
+
+def _release_region(region: VllmRegion) -> None:
+    from hostpool.core.ledger import get_ledger
+
+    get_ledger().release(region.id)
+
+
+_region_cleanup = _ending(_regions, _release_region)
 
 
 # -- CPUOffloadingWorker's torch.zeros fallback --------------------------------------
@@ -233,17 +250,7 @@ def _worker_init(original: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
-def _worker_shutdown(original: Callable[..., None]) -> Callable[..., None]:
-    def shutdown(self: Any) -> None:
-        try:
-            original(self)
-        finally:
-            with _switch.lock:
-                owner = _workers.pop(self, None)
-            if owner is not None:
-                release_owner(owner)
-
-    return shutdown
+_worker_shutdown = _ending(_workers, release_owner)
 
 
 _switch = Switch(_is_target, _after_import)
