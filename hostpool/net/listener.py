@@ -144,6 +144,14 @@ class _GuardedServer(TcpWSGIServer):
                 self.limits.count("accept_error")
                 return
             self._backoff.reset()
+            # waitress's own accept sets TCP_NODELAY (its socket_options): without it,
+            # Nagle holds a response written in pieces for the peer's delayed ACK
+            try:
+                self.set_socket_options(conn)
+            except OSError:  # the peer is gone already
+                conn.close()
+                self.limits.count("accept_error")
+                continue
             if self.tls is not None:
                 try:
                     conn.setblocking(False)
