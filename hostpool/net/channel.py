@@ -42,7 +42,7 @@ class TLSChannel(Channel):
     """A connection wrapped in TLS: the handshake runs non-blocking on the event loop and
     counts as the start of the first request (the request deadline covers it)."""
 
-    def __init__(self, server: Any, sock: ssl.SSLSocket, *args: Any, **kw: Any):
+    def __init__(self, server: Any, sock: ssl.SSLSocket, *args: Any, **kw: Any) -> None:
         self._tls_lock = threading.Lock()
         self._handshake_wants_write = False
         self._read_wants_write = False
