@@ -225,15 +225,21 @@ class PoolTotals:
 def holdings_totals(holdings: Holdings) -> dict[tuple[str, str], PoolTotals]:
     """One process's holdings summed per (prefix, pool)."""
     out: dict[tuple[str, str], PoolTotals] = {}
+    get = out.get
     for obj in holdings.objects.values():
-        pool = (obj.name.prefix, obj.name.pool)
-        totals = out.get(pool)
+        name, mapped, allocated = obj.name, obj.mapped_bytes, obj.allocated_bytes
+        pool = (name.prefix, name.pool)
+        totals = get(pool)
         if totals is None:
             totals = out[pool] = PoolTotals()
         totals.open_fds += obj.fds
         totals.mappings += obj.mappings
-        totals.mapped_bytes += obj.mapped_bytes
-        totals.resident_bytes += obj.resident_bytes
+        totals.mapped_bytes += mapped
+        # obj.resident_bytes, inline: this runs once per mapped object per scrape
+        if allocated is None:
+            totals.resident_bytes += obj.smaps_resident or 0
+        else:
+            totals.resident_bytes += allocated if allocated < mapped else mapped
     for name, count in holdings.unmapped_fds.values():
         pool = (name.prefix, name.pool)
         totals = out.get(pool)

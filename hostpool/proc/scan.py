@@ -168,22 +168,15 @@ def read_holdings(
     unmapped regular files are read as links too), the cheaper way when mapped objects
     make up at least a quarter of the fds; "link" reads every fd's link and statx-es one
     fd per mapped object. `pages` (object -> st_blocks * 512) is shared by the reads of
-    one scan: it saves the statx of an object another process measured, and is filled
-    with what this read measured. Objects left without pages get them from
+    one scan: it is filled with what this read measured, and saves "link" the statx of
+    an object another process measured. Objects left without pages get them from
     `fill_residency`. `deadline` (a time.monotonic() value) stops the reading part way:
     `complete` is then False. Raises ProcessNotFoundError / ProcessAccessError like the
     other readers.
     """
     data = read_proc_bytes(pid, f"/proc/{pid}/maps")
     objects = _mapped_objects(data, matcher) if matcher.mentions(data) else {}
-    if pages:
-        for key, obj in objects.items():
-            obj.allocated_bytes = pages.get(key)
-    unmapped, complete = _held_fds(pid, matcher, objects, deadline, fds_by)
-    if pages is not None:
-        for key, obj in objects.items():
-            if obj.allocated_bytes is not None:
-                pages[key] = obj.allocated_bytes
+    unmapped, complete = _held_fds(pid, matcher, objects, deadline, fds_by, pages)
     real_pid = os.getpid() if pid == "self" else pid
     return Holdings(real_pid, objects, unmapped, complete)
 
@@ -253,6 +246,7 @@ def _held_fds(
     objects: dict[Key, HeldObject],
     deadline: float | None,
     fds_by: FdStrategy,
+    pages: dict[Key, int] | None,
 ) -> tuple[Unmapped, bool]:
     fd_dir, dir_fd = open_fd_dir(pid)
     try:
@@ -262,7 +256,7 @@ def _held_fds(
             raise ProcessNotFoundError(pid) from None
         except PermissionError:
             raise ProcessAccessError(pid, fd_dir) from None
-        reader = _FdReader(pid, fd_dir, dir_fd, matcher, objects)
+        reader = _FdReader(pid, fd_dir, dir_fd, matcher, objects, {} if pages is None else pages)
         with_inode = sum(1 for key in objects if type(key) is tuple)
         if fds_by == "stat" or (fds_by == "auto" and with_inode and 4 * with_inode >= len(entries)):
             return reader.by_stat(entries, deadline)
@@ -275,14 +269,20 @@ class _FdReader:
     """One process's fd directory, read against its mapped objects."""
 
     def __init__(
-        self, pid: Pid, fd_dir: str, dir_fd: int, matcher: Matcher, objects: dict[Key, HeldObject]
+        self,
+        pid: Pid,
+        fd_dir: str,
+        dir_fd: int,
+        matcher: Matcher,
+        objects: dict[Key, HeldObject],
+        pages: dict[Key, int],
     ) -> None:
         self.pid, self.fd_dir, self.dir_fd = pid, fd_dir, dir_fd
-        self.matcher, self.objects = matcher, objects
+        self.matcher, self.objects, self.pages = matcher, objects, pages
         self.unmapped: Unmapped = {}
 
     def by_stat(self, entries: list[bytes], deadline: float | None) -> tuple[Unmapped, bool]:
-        get, dir_fd, fdstat = self.objects.get, self.dir_fd, FdStat()
+        get, dir_fd, pages, fdstat = self.objects.get, self.dir_fd, self.pages, FdStat()
         identity, mode_blocks = fdstat.identity, fdstat.mode_blocks
         for first in range(0, len(entries), _CHECK_EVERY):
             if deadline is not None and time.monotonic() > deadline:
@@ -301,8 +301,8 @@ class _FdReader:
                 obj = get(key)
                 if obj is not None:
                     obj.fds += 1
-                    if obj.allocated_bytes is None:  # once per object and scan
-                        obj.allocated_bytes = mode_blocks()[1] * 512
+                    if obj.allocated_bytes is None:  # once per object and process
+                        obj.allocated_bytes = pages[key] = mode_blocks()[1] * 512
                 elif stat.S_ISREG(mode_blocks()[0]):  # memfds, shm files: regular files
                     self._unmapped(entry)
         return self.unmapped, True
@@ -311,7 +311,8 @@ class _FdReader:
         objects, dir_fd, lookup = self.objects, self.dir_fd, self.matcher.lookup
         needles, fdstat = self.matcher.needles, FdStat()
         by_path: dict[bytes, list[HeldObject]] = {}  # the fd links that name mapped objects
-        for held in objects.values():
+        for key, held in objects.items():
+            held.allocated_bytes = self.pages.get(key)  # measured by another process
             if held.kind != "anon":
                 by_path.setdefault(held.path, []).append(held)
         for i, entry in enumerate(entries):
@@ -340,7 +341,7 @@ class _FdReader:
                 if found is None:
                     self._count(target, candidates[0].name)  # an unmapped namesake
                     continue
-                found.allocated_bytes = fdstat.mode_blocks()[1] * 512
+                found.allocated_bytes = self.pages[key] = fdstat.mode_blocks()[1] * 512
                 found.fds += 1
             else:
                 candidates[0].fds += 1  # same name, same pool
