@@ -5,9 +5,9 @@ passed); 1 the input is right but this host cannot do it now (port in use, share
 held by a live server, not enough memory or hugepages, /dev/shm short, a failed check,
 a failure at run time); 2 the input is wrong (a bad flag or value, a missing or
 malformed config, pools over their own budget). Logs go to stderr, data to stdout.
-Each subcommand lives in its own module with `add_parser(subparsers)` and
-`run(args) -> int`. The global flags (`--log-level`,
-`--log-format`) are accepted before or after the subcommand.
+Each subcommand lives in its own module, declared there as `COMMAND` (a
+`hostpool.cli.command.Subcommand`: help, flags, `run(args) -> int`). The global flags
+(`--log-level`, `--log-format`) are accepted before or after the subcommand.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != module_name:
                 raise
             continue
-        module.add_parser(sub)
+        module.COMMAND.add_to(sub)
     for subparser in sub.choices.values():
         _global_flags(subparser, default=False)
         if subparser.epilog is None:  # pre-wrapped: some keep their text as written

@@ -7,23 +7,15 @@ import json
 from typing import Any
 
 from hostpool.base.units import format_size, parse_size
+from hostpool.cli.command import Subcommand
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "doctor",
-        help="report what this host supports (exit 1 if --need fails)",
-        description="Report what this host offers hostpool: kernel, memfd and sealing, "
-        "MADV_POPULATE_WRITE, memory, hugepages per size, THP, /dev/shm, rlimits, the cgroup "
-        "limit, CUDA, and what allocations with --hugepages/--hugepage-size would get. With "
-        "--need SIZE (or --hugepages required) it is a check: exit 1 when this host cannot "
-        "hold it now, naming each problem.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Its flags."""
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--hugepages", default="prefer", choices=("off", "prefer", "required"))
     p.add_argument("--hugepage-size", default="2MB")
     p.add_argument("--need", default="0", help="bytes a pool needs, e.g. 64GiB")
-    p.set_defaults(run=run)
 
 
 def _yes(flag: bool) -> str:
@@ -103,3 +95,18 @@ def run(args: argparse.Namespace) -> int:
     lines += [f"PROBLEM: {p}" for p in chosen["problems"]]
     print("\n".join(lines))
     return 0 if chosen["ok"] else 1
+
+
+COMMAND = Subcommand(
+    name="doctor",
+    help="report what this host supports (exit 1 if --need fails)",
+    description=(
+        "Report what this host offers hostpool: kernel, memfd and sealing, "
+        "MADV_POPULATE_WRITE, memory, hugepages per size, THP, /dev/shm, rlimits, the cgroup "
+        "limit, CUDA, and what allocations with --hugepages/--hugepage-size would get. With "
+        "--need SIZE (or --hugepages required) it is a check: exit 1 when this host cannot "
+        "hold it now, naming each problem."
+    ),
+    add_arguments=add_arguments,
+    run=run,
+)

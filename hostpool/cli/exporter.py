@@ -15,9 +15,9 @@ import signal
 import sys
 import threading
 from types import FrameType
-from typing import Any
 
 from hostpool.base import events
+from hostpool.cli.command import Subcommand
 from hostpool.cli.exitcodes import INVALID, NOT_NOW
 from hostpool.proc import procfs
 from hostpool.proc.textsafe import printable
@@ -30,15 +30,8 @@ DEFAULT_SCRAPE_BUDGET = 5.0
 DEFAULT_MAX_POOLS = 32
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "exporter",
-        help="metrics of other processes' shared-memory fds and mappings, from /proc",
-        description="Serve /metrics for processes that do not embed hostpool: per prefix and "
-        "pool, their shm fds, mapped and resident bytes, read at scrape time. Also /healthz, "
-        "and / lists the endpoints. --pid of a process that does not exist yet is accepted "
-        "(hostpool_exporter_target_up 0 until it does).",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Its flags."""
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument(
         "--pid",
@@ -79,7 +72,6 @@ def add_parser(sub: Any) -> None:
         "(tls_server_config, basic_auth_users); relative paths in it are resolved against "
         "its directory. Without it: plain HTTP, no auth",
     )
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -186,3 +178,17 @@ def _budget(text: str) -> float:
     if not 0.001 <= value <= 300:  # also refuses nan and inf
         raise argparse.ArgumentTypeError(f"--scrape-budget must be 0.001..300 seconds, got {text}")
     return value
+
+
+COMMAND = Subcommand(
+    name="exporter",
+    help="metrics of other processes' shared-memory fds and mappings, from /proc",
+    description=(
+        "Serve /metrics for processes that do not embed hostpool: per prefix and "
+        "pool, their shm fds, mapped and resident bytes, read at scrape time. Also /healthz, "
+        "and / lists the endpoints. --pid of a process that does not exist yet is accepted "
+        "(hostpool_exporter_target_up 0 until it does)."
+    ),
+    add_arguments=add_arguments,
+    run=run,
+)

@@ -22,18 +22,15 @@ from datetime import datetime
 from typing import Any, TextIO
 
 from hostpool.base.units import format_size
+from hostpool.cli.command import Subcommand
 from hostpool.proc import names, procfs, procgroup
 from hostpool.proc.textsafe import field, printable
 
 CLEAR_SCREEN = "\033[H\033[2J"
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "inspect",
-        help="a process's shared-memory fds and mappings per pool, from /proc",
-        description=__doc__.splitlines()[0] if __doc__ else None,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Its flags."""
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("pid", nargs="?", type=int, help="the process to inspect")
     target.add_argument("--self", dest="inspect_self", action="store_true",
@@ -50,7 +47,6 @@ def add_parser(sub: Any) -> None:
                       help="repeat every SECONDS until interrupted")  # fmt: skip
     mode.add_argument("--check", action="store_true",
                       help="exit 1 when there are findings (for scripts)")  # fmt: skip
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -241,3 +237,12 @@ def _positive_seconds(text: str) -> float:
 def _fail(code: int, message: str) -> int:
     print(f"hostpool inspect: {message}", file=sys.stderr)
     return code
+
+
+COMMAND = Subcommand(
+    name="inspect",
+    help="a process's shared-memory fds and mappings per pool, from /proc",
+    description=__doc__.splitlines()[0] if __doc__ else None,
+    add_arguments=add_arguments,
+    run=run,
+)

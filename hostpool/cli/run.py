@@ -20,8 +20,8 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Any
 
+from hostpool.cli.command import Subcommand
 from hostpool.cli.exitcodes import INVALID, NOT_NOW
 from hostpool.integrations import ENV, KNOWN, requested
 
@@ -42,20 +42,14 @@ class RunError(Exception):
         self.code = code
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "run",
-        help="run a command with the server integrations active (HOSTPOOL_INSTRUMENT)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Its flags."""
     p.add_argument(
         "--only",
         metavar="NAME,...",
         help=f"only these integrations (known: {', '.join(KNOWN)}; default: all)",
     )
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...")
-    p.set_defaults(run=run)
 
 
 def instrumented_env(environ: dict[str, str], names: list[str]) -> dict[str, str]:
@@ -140,3 +134,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"hostpool run: cannot run {cmd[0]!r}: {exc.strerror}", file=sys.stderr)
         return 2 if isinstance(exc, FileNotFoundError | PermissionError) else 1
     return 1
+
+
+COMMAND = Subcommand(
+    name="run",
+    help="run a command with the server integrations active (HOSTPOOL_INSTRUMENT)",
+    description=__doc__,
+    add_arguments=add_arguments,
+    run=run,
+    raw_description=True,
+)

@@ -23,6 +23,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from hostpool.base import events
+from hostpool.cli.command import Subcommand
 from hostpool.errors import (
     Cancelled,
     ConfigError,
@@ -35,14 +36,8 @@ from hostpool.serve import config as serve_config
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="hold host pools and serve their metrics",
-        description="Allocate the configured pools (memfd-backed by default), then serve "
-        "/metrics, /debug/pools and /healthz until SIGINT or SIGTERM. With neither --config "
-        "nor --pool, three small demo pools (kv 64MiB, swa 16MiB, mamba 8MiB) are used.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Its flags."""
     p.add_argument("--config", help="TOML (or JSON/YAML) file with [server] and [pools.NAME]")
     p.add_argument(
         "--pool",
@@ -103,7 +98,6 @@ def add_parser(sub: Any) -> None:
         "relative paths in it are resolved against its directory. Checked before anything "
         "is allocated, and by --check",
     )
-    p.set_defaults(run=run)
 
 
 def build_config(args: argparse.Namespace) -> serve_config.ServeConfig:
@@ -138,20 +132,11 @@ def build_config(args: argparse.Namespace) -> serve_config.ServeConfig:
             if args.hugepages:
                 table["hugepages"] = args.hugepages
     server = data["server"]
-    for key in (
-        "host",
-        "port",
-        "budget",
-        "host_budget",
-        "budget_dir",
-        "share_socket",
-        "web_config_file",
-    ):
+    # Every [server] key has a flag of the same name (--demo-load a store_true one).
+    for key in serve_config.SERVER_KEYS:
         value = getattr(args, key)
-        if value is not None:
+        if value is not None and value is not False:
             server[key] = value
-    if args.demo_load:
-        server["demo_load"] = True
     return serve_config.from_mapping(data, os.path.dirname(args.config or ""))
 
 
@@ -337,3 +322,18 @@ def _exit_now(code: int) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+COMMAND = Subcommand(
+    name="serve",
+    help="hold host pools and serve their metrics",
+    description=(
+        "Allocate the configured pools (memfd-backed by default) and serve, from the start "
+        "of populate until SIGINT or SIGTERM: / (the endpoints), /metrics, /healthz "
+        "(liveness), /readyz (503 until every pool is populated) and /debug/pools. With "
+        "neither --config nor --pool, three small demo pools (kv 64MiB, swa 16MiB, mamba "
+        "8MiB) are used."
+    ),
+    add_arguments=add_arguments,
+    run=run,
+)

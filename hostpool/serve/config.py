@@ -37,7 +37,8 @@ _POOL_KEYS = {"size", "allocator", "chunk"} | {
     "shm_backend",
     "fallback_dir",
 }
-_SERVER_KEYS = {
+# The [server] table; `hostpool serve` has a flag named after each key.
+SERVER_KEYS = {
     "host",
     "port",
     "budget",
@@ -130,9 +131,9 @@ def from_mapping(data: dict[str, Any], base_dir: str | None = None) -> ServeConf
     server = data.get("server", {})
     if not isinstance(server, dict):
         raise ConfigError("server must be a table")
-    bad = sorted(set(server) - _SERVER_KEYS)
+    bad = sorted(set(server) - SERVER_KEYS)
     if bad:
-        raise ConfigError(f"server: unknown key(s) {bad}; known: {sorted(_SERVER_KEYS)}")
+        raise ConfigError(f"server: unknown key(s) {bad}; known: {sorted(SERVER_KEYS)}")
     pools_table = data.get("pools", DEFAULT_POOLS)
     if not isinstance(pools_table, dict) or not pools_table:
         raise ConfigError("pools must be a non-empty table of [pools.NAME] tables")

@@ -1,0 +1,37 @@
+"""What each `hostpool` subcommand declares: its help, its flags and how it runs."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """One subcommand. `help` is its line in `hostpool --help`, `description` the text of
+    `hostpool NAME --help` (kept as written when `raw_description`), `add_arguments` adds
+    its flags, `run` runs it and returns the exit status (hostpool.cli.exitcodes)."""
+
+    name: str
+    help: str
+    description: str | None
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    raw_description: bool = False
+
+    def add_to(self, subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+        """Its parser, added to `subparsers`, with `run` as the `run` default."""
+        parser: argparse.ArgumentParser = subparsers.add_parser(
+            self.name,
+            help=self.help,
+            description=self.description,
+            formatter_class=(
+                argparse.RawDescriptionHelpFormatter
+                if self.raw_description
+                else argparse.HelpFormatter
+            ),
+        )
+        self.add_arguments(parser)
+        parser.set_defaults(run=self.run)
+        return parser
