@@ -33,13 +33,22 @@ def load_mapping(value: object, *, what: str = "config") -> dict[str, Any]:
     return _require_mapping(data, what)
 
 
-def load_file(path: str, *, what: str = "config") -> dict[str, Any]:
-    ext = os.path.splitext(path)[1].lower()
+def read_file(path: str, *, what: str) -> bytes:
+    """The bytes of the file at `path`. Raises ConfigError naming `what` and the path
+    when it cannot be read."""
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            return f.read()
     except OSError as exc:
-        raise ConfigError(f"{what}: cannot read {path}: {exc.strerror}") from exc
+        raise ConfigError(f"{what} {path}: cannot read it: {exc.strerror}") from None
+
+
+def load_file(path: str, *, what: str = "config") -> dict[str, Any]:
+    """The mapping in the JSON, TOML or YAML file at `path` (by its extension). Raises
+    ConfigError naming `what` and the path when it cannot be read, is malformed or is
+    not a mapping."""
+    ext = os.path.splitext(path)[1].lower()
+    raw = read_file(path, what=what)
     try:
         if ext == ".json":
             data = json.loads(raw)

@@ -89,33 +89,26 @@ class AllocationRecord:
         return d
 
 
+# AllocationRecord fields that are the Region's attributes of the same name.
+_FROM_REGION = (
+    "id", "pool", "kind", "backend", "name", "requested_bytes", "mapped_bytes", "page_size",
+    "address", "fd", "created_at", "populate_mode", "populate_seconds",
+    "hugepage_fallbacks", "seals", "numa_node", "pinned_bytes",
+)  # fmt: skip
+
+
 def record_of(entry: Any, peers: int = 0) -> AllocationRecord:
     """The plain record of a ledger entry (anything with `region`, `allocator`, `stack`,
     `dims`, `dtype` and `state`)."""
     r = entry.region
+    dev_ino = r.dev_ino
     return AllocationRecord(
-        id=r.id,
-        pool=r.pool,
+        **{field: getattr(r, field) for field in _FROM_REGION},
         allocator=entry.allocator,
-        kind=r.kind,
-        backend=r.backend,
-        name=r.name,
         state=entry.state,
-        requested_bytes=r.requested_bytes,
-        mapped_bytes=r.mapped_bytes,
-        page_size=r.page_size,
-        address=r.address,
-        fd=r.fd,
         open_fds=r.open_fd_count(),
-        device=r.dev_ino[0] if r.dev_ino else None,
-        inode=r.dev_ino[1] if r.dev_ino else None,
-        created_at=r.created_at,
-        populate_mode=r.populate_mode,
-        populate_seconds=r.populate_seconds,
-        hugepage_fallbacks=r.hugepage_fallbacks,
-        seals=r.seals,
-        numa_node=r.numa_node,
-        pinned_bytes=r.pinned_bytes,
+        device=dev_ino[0] if dev_ino else None,
+        inode=dev_ino[1] if dev_ino else None,
         stack=entry.stack,
         dims=entry.dims,
         dtype=entry.dtype,

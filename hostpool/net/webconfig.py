@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hostpool.base.config import read_file
 from hostpool.errors import ConfigError
 
 CLIENT_AUTH_TYPES = {
@@ -104,11 +105,7 @@ def load(path: str) -> WebConfig:
     YAML, or holds a key, value, path or hash that is wrong (see the module's doc)."""
     import yaml
 
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as exc:
-        raise ConfigError(f"web config {path}: cannot read it: {exc.strerror}") from None
+    raw = read_file(path, what="web config")
     try:
         data = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
