@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import REPO_ROOT, RESULTS_DIR, format_size, read_json
-from bench.report_tables import TABLES
+from bench.report_serve import SERVE, SOURCES
+from bench.report_tables import TABLES, machine_line
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -101,21 +102,6 @@ POPULATE_SHORT = {
     "bare_anon_populate": "bare anon (ceiling)",
 }
 VERDICT = {True: "pass", False: "**fail**", None: "not measured"}
-
-
-def _machine_line(data: dict[str, Any]) -> str:
-    m = data.get("machine", {})
-    mem = m.get("mem_total_bytes")
-    parts = [
-        f"Linux {m.get('kernel', '?')}",
-        f"{m.get('cpus', '?')} CPUs",
-        f"{format_size(mem)} RAM" if mem else None,
-        f"Python {m.get('python', '?')}",
-        f"torch {m.get('torch', '?')}",
-        f"sglang {m['sglang']}" if m.get("sglang") else None,
-        str(data.get("date", "?"))[:10],
-    ]
-    return ", ".join(p for p in parts if p)
 
 
 def _warmup(data: dict[str, Any]) -> str:
@@ -261,7 +247,7 @@ def draw_populate_chart(data: dict[str, Any]) -> Figure:
     fig.suptitle(
         f"Populate throughput, median of {runs} fresh-process run(s), "
         f"{data['config'].get('pages', 'natural')} pages; whiskers: min..max\n"
-        f"{_machine_line(data)}",
+        f"{machine_line(data)}",
         fontsize=9,
     )
     handles = []
@@ -383,7 +369,7 @@ def render_populate(data: dict[str, Any], ctx: Context) -> str:
     runs = data["config"]["runs"]
     lines = [
         f"Allocate + populate a tensor of host memory: median of {runs} run(s), each in a "
-        f"fresh process{_warmup(data)}, variants interleaved; {_machine_line(data)}. Higher "
+        f"fresh process{_warmup(data)}, variants interleaved; {machine_line(data)}. Higher "
         "is better; `x torch` is the speed relative to `torch.empty().zero_()` in the same "
         "run. The sglang rows call the installed package's own allocators.",
         "",
@@ -474,7 +460,7 @@ def render_vllm_offload(data: dict[str, Any], ctx: Context) -> str:
     lines = [
         f"vLLM's CPU offload region, made and populated: median of {config['runs']} run(s), "
         f"each in a fresh process{_warmup(data)}, in a balanced order (each variant in each "
-        f"place equally often), pages warm; {_machine_line(data)}, vLLM {m.get('vllm', '?')} "
+        f"place equally often), pages warm; {machine_line(data)}, vLLM {m.get('vllm', '?')} "
         f"(the installed package's own class). Rows of {format_size(config['row_bytes'])}; "
         f"`x vLLM` is the speed relative to vLLM's stock path in the same run.",
         "",
@@ -594,6 +580,7 @@ def render_exporter_scale(data: dict[str, Any], ctx: Context) -> str:
 
 
 RENDERERS.update(TABLES)
+RENDERERS.update(SERVE)
 
 
 def _populate_other_pages(name: str) -> Renderer:
@@ -650,9 +637,10 @@ def main() -> int:
     for name, render in RENDERERS.items():
         if args.only and name not in args.only:
             continue
-        path = args.results_dir / f"{name}.json"
+        source = SOURCES.get(name, name)
+        path = args.results_dir / f"{source}.json"
         if not path.exists():
-            how = "make soak" if name == "soak" else f"bench/{name.split('-')[0]}.py"
+            how = "make soak" if source == "soak" else f"bench/{source.split('-')[0]}.py"
             print(f"({path} missing: run {how})", file=sys.stderr)
             continue
         body = render(read_json(path), ctx)

@@ -1,5 +1,5 @@
 """Markdown renderers for the smaller benchmarks (first_alloc, overhead, scrape, share,
-leakcheck, soak).
+leakcheck, soak), and the machine line the larger ones share.
 
 Plain functions over the JSON each benchmark writes; `bench/report.py` registers them.
 """
@@ -8,7 +8,27 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench._common import format_size
+
 VERDICT = {True: "pass", False: "**fail**"}
+
+
+def machine_line(data: dict[str, Any], *, sglang: bool = True) -> str:
+    """'Linux 6.18.44, 2 CPUs, 23.54 GiB RAM, Python 3.11.7, torch 2.13.0+cpu, sglang
+    0.5.23, 2026-12-04' from a results file's `machine` facts and its `date` (or
+    `generated_at`); sglang only when asked for and installed, '?' for a missing fact."""
+    m = data.get("machine", {})
+    mem = m.get("mem_total_bytes")
+    parts = [
+        f"Linux {m.get('kernel', '?')}",
+        f"{m.get('cpus', '?')} CPUs",
+        f"{format_size(mem)} RAM" if mem else None,
+        f"Python {m.get('python', '?')}",
+        f"torch {m.get('torch', '?')}",
+        f"sglang {m['sglang']}" if sglang and m.get("sglang") else None,
+        str(data.get("date", data.get("generated_at", "?")))[:10],
+    ]
+    return ", ".join(p for p in parts if p)
 
 
 def _us(value: float) -> str:
