@@ -79,6 +79,9 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) bench/overhead.py
 	$(PY) bench/scrape.py
 	$(PY) bench/exporter_scale.py
+	-$(PY) bench/serve_probe.py
+	$(PY) bench/serve_stop.py
+	$(PY) bench/tls_scrape.py
 	$(PY) bench/share.py
 	$(PY) bench/leakcheck.py
 	-$(PY) bench/gpu_pin.py
