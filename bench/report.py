@@ -3,8 +3,9 @@
 Each benchmark has a renderer, `RENDERERS[name]`, that reads `bench/results/<name>.json`
 and returns markdown (and writes any charts next to the JSON). The markdown is printed
 and, where README.md has a region `<!-- bench:<name>:start -->` ... `<!-- bench:<name>:end
--->`, written between the markers. Figures are never typed by hand: rerun the benchmark,
-then this script.
+-->`, written between the markers. A region may render another file's JSON
+(`report_serve.SOURCES`: the serve summaries). Figures are never typed by hand: rerun the
+benchmark, then this script.
 
 Adding a benchmark's section:
 
