@@ -5,15 +5,23 @@ each hold 9,000 `hostpool.*` memfds, each mapped (one page touched). Two ways to
 them: with the fd kept (the memfd's fd and mmap's dup: 2 fds per object) and with the
 fd closed after mapping (only mmap's dup: 1 per object).
 
-Per case, in rounds whose order alternates (each side first in half of them):
-- bare: for each of those processes, read /proc/PID/maps, list /proc/PID/fd and read
-  every fd's link (the least any reader of "which fds and mappings are shm" does), in
-  this process;
-- scrape: `ProcfsCollector.collect()` with `--match hostpool.<tag>`, in this process: the
-  exporter's whole scrape (every process on the host is looked at, as in production);
+Per case, in rounds whose order rotates (each side in each place equally often), all
+in this process, over those processes only:
+- bare: read /proc/PID/maps, list /proc/PID/fd and read every fd's link (the least any
+  reader of "which fds and mappings are shm" does). A link names an object but does not
+  identify it (any process may name a memfd like another's) nor give its pages;
+- bare_stat: read maps, list the fd directory and `os.stat` every fd (the inode that
+  identifies the object an fd refers to, and its pages: the least a reader that counts
+  fds per object and residency per object must do; what the exporter does per fd);
+- floor: bare_stat, and the maps lines split into fields by one regex (a tuple per
+  line): every figure the gauges need is then in hand, before any of it is summed;
+and
+- scrape: `ProcfsCollector.collect()` with `--match hostpool.<tag>`: the exporter's whole
+  scrape (every process on the host is looked at, as in production);
 - http: a GET of /metrics from a real `hostpool exporter` subprocess (end to end).
-Wall and CPU time per sample; the ratio is scrape / bare per round. Also the CPU the
-rest of the machine used meanwhile (`other_cpus`): other work makes both sides slower.
+Wall and CPU time per sample; ratios are scrape / each baseline per round. Also the CPU
+the rest of the machine used meanwhile (`other_cpus`): other work makes every side
+slower.
 
 Targets (issue 26): an HTTP scrape <= 2 s; scrape <= 1.5x bare.
 Writes bench/results/exporter_scale.json.
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import secrets
 import statistics
@@ -31,10 +40,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -45,6 +56,7 @@ RESULTS = RESULTS_DIR / "exporter_scale.json"
 WALL_TARGET_S = 2.0
 RATIO_TARGET = 1.5
 UNPRIVILEGED = 65534
+BASELINES = ("bare", "bare_stat", "floor")
 
 
 @contextmanager
@@ -118,6 +130,36 @@ def bare(pids: list[int]) -> int:
     return links
 
 
+# a maps line with a path, split into its fields (start, end, offset, dev, inode, path)
+MAPS_LINE = re.compile(
+    rb"^([0-9a-f]+)-([0-9a-f]+) [^ \n]+ ([0-9a-f]+) ([0-9a-f]+:[0-9a-f]+) (\d+) +([^\n]+)",
+    re.MULTILINE,
+)
+
+
+def bare_stat(pids: list[int], *, split_maps: bool = False) -> int:
+    """Read maps (split into fields with `split_maps`), list fd, stat every fd: the
+    identity and pages of the object each fd refers to."""
+    stats = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            data = f.read()
+        if split_maps:
+            MAPS_LINE.findall(data)
+        fd_dir = f"/proc/{pid}/fd"
+        dir_fd = os.open(fd_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for entry in os.listdir(os.fsencode(fd_dir)):
+                try:
+                    os.stat(entry, dir_fd=dir_fd)
+                    stats += 1
+                except FileNotFoundError:
+                    pass
+        finally:
+            os.close(dir_fd)
+    return stats
+
+
 def sample(fn: Any) -> dict[str, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
@@ -159,44 +201,58 @@ def run_case(
     with holders(prefix, processes, objects, keep_fd) as pids:
         collector = ProcfsCollector(match=(prefix,), max_pools=32)
         expected_fds = processes * objects * (2 if keep_fd else 1)
-        links = bare(pids)  # warm both sides once (dentries, parsed names)
+        links = bare(pids)  # warm every side once (dentries, parsed names)
+        stats = bare_stat(pids, split_maps=True)
         families = {f.name: f for f in collector.collect()}
         fds = sum(s.value for s in families["hostpool_exporter_open_fds"].samples)
-        if fds != expected_fds or links < expected_fds:
-            raise RuntimeError(f"read {fds} matching fds and {links} links of {expected_fds}")
-        samples: dict[str, list[dict[str, float]]] = {"bare": [], "scrape": []}
-        ratios = []
+        if fds != expected_fds or min(links, stats) < expected_fds:
+            raise RuntimeError(
+                f"read {fds} matching fds, {links} links and {stats} stats of {expected_fds}"
+            )
+        sides: dict[str, Callable[[], object]] = {
+            "bare": lambda: bare(pids),
+            "bare_stat": lambda: bare_stat(pids),
+            "floor": lambda: bare_stat(pids, split_maps=True),
+            "scrape": collector.collect,
+        }
+        names = list(sides)
+        samples: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+        ratios: dict[str, list[dict[str, float]]] = {b: [] for b in BASELINES}
         with other_cpu() as others:
             for r in range(rounds):
-                order = ("bare", "scrape") if r % 2 == 0 else ("scrape", "bare")
+                order = names[r % len(names) :] + names[: r % len(names)]
                 got = {}
                 for side in order:
-                    fn = (lambda: bare(pids)) if side == "bare" else collector.collect
-                    got[side] = sample(fn)
+                    got[side] = sample(sides[side])
                     samples[side].append(got[side])
-                ratios.append({k: got["scrape"][k] / got["bare"][k] for k in ("wall_s", "cpu_s")})
+                for b in BASELINES:
+                    ratios[b].append({k: got["scrape"][k] / got[b][k] for k in ("wall_s", "cpu_s")})
         with exporter(prefix) as url:
             http_scrape(url)  # the first one parses every name
             http = [http_scrape(url) for _ in range(rounds)]
+    median: dict[str, float] = {}
+    for side, taken in samples.items():
+        for k in ("wall_s", "cpu_s"):
+            median[f"{side}_{k}"] = statistics.median(s[k] for s in taken)
+    for b in BASELINES:
+        suffix = "" if b == "bare" else f"_{b.removeprefix('bare_')}"
+        for k in ("wall", "cpu"):
+            median[f"ratio{suffix}_{k}"] = statistics.median(r[f"{k}_s"] for r in ratios[b])
+    median["http_wall_s"] = statistics.median(h["wall_s"] for h in http)
     return {
         "processes": processes,
         "objects_per_process": objects,
         "fds_per_object": 2 if keep_fd else 1,
         "mappings": processes * objects,
         "fds": expected_fds,
+        "host_processes": len(psutil.pids()),
         "samples": samples,
-        "ratios": ratios,
+        "ratios": ratios["bare"],
+        "ratios_stat": ratios["bare_stat"],
+        "ratios_floor": ratios["floor"],
         "http": http,
         "other_cpus": others["other_cpus"],
-        "median": {
-            "bare_wall_s": statistics.median(s["wall_s"] for s in samples["bare"]),
-            "bare_cpu_s": statistics.median(s["cpu_s"] for s in samples["bare"]),
-            "scrape_wall_s": statistics.median(s["wall_s"] for s in samples["scrape"]),
-            "scrape_cpu_s": statistics.median(s["cpu_s"] for s in samples["scrape"]),
-            "ratio_wall": statistics.median(r["wall_s"] for r in ratios),
-            "ratio_cpu": statistics.median(r["cpu_s"] for r in ratios),
-            "http_wall_s": statistics.median(h["wall_s"] for h in http),
-        },
+        "median": median,
         "http_truncated": sum(h["truncated"] for h in http),
     }
 
@@ -216,8 +272,11 @@ def main() -> int:
         m = cases[name]["median"]
         print(
             f"{name}: scrape {m['scrape_wall_s']:.2f} s wall / {m['scrape_cpu_s']:.2f} s cpu, "
-            f"bare {m['bare_wall_s']:.2f} / {m['bare_cpu_s']:.2f}, ratio {m['ratio_wall']:.2f} "
-            f"wall / {m['ratio_cpu']:.2f} cpu, http {m['http_wall_s']:.2f} s, "
+            f"bare {m['bare_wall_s']:.2f} / {m['bare_cpu_s']:.2f}, "
+            f"bare_stat {m['bare_stat_wall_s']:.2f} / {m['bare_stat_cpu_s']:.2f}, "
+            f"floor {m['floor_wall_s']:.2f} / {m['floor_cpu_s']:.2f}; ratio (cpu) to bare "
+            f"{m['ratio_cpu']:.2f}, to bare_stat {m['ratio_stat_cpu']:.2f}, to floor "
+            f"{m['ratio_floor_cpu']:.2f}; http {m['http_wall_s']:.2f} s, "
             f"other cpus {cases[name]['other_cpus']:.2f}",
             file=sys.stderr,
         )
