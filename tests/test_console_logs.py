@@ -127,10 +127,9 @@ def test_pool_closed_sums_up_its_own_manager_only() -> None:
     with HostPoolManager() as earlier:
         for _ in range(3):
             earlier.allocator("sumup_twice").allocate((1 << 20,), torch.uint8)
-    with capture_logs() as logs:
-        with HostPoolManager() as manager:
-            alloc = manager.allocator("sumup_twice")
-            alloc.release(alloc.allocate((2 << 20,), torch.uint8))
+    with capture_logs() as logs, HostPoolManager() as manager:
+        alloc = manager.allocator("sumup_twice")
+        alloc.release(alloc.allocate((2 << 20,), torch.uint8))
     (closed,) = [e for e in logs if e["event"] == "hostpool.pool_closed"]
     assert closed["allocations"] == 1 and closed["allocated_bytes"] == 2 << 20
     assert closed["released_regions"] == 1 and closed["released_bytes"] == 2 << 20
