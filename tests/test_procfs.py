@@ -490,7 +490,16 @@ def test_an_fd_whose_path_the_kernel_cannot_spell_is_skipped(
 # -- fds identified by inode, cheaply ---------------------------------------------------
 
 
-def test_fdstat_identifies_an_fd_as_fstat_does(memfd: tuple[str, int]) -> None:
+@pytest.mark.parametrize("libc_statx", [True, False], ids=["statx", "stat"])
+def test_fdstat_identifies_an_fd_as_fstat_does(
+    memfd: tuple[str, int], libc_statx: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same identity and pages through libc's statx and through os.stat (where libc
+    has no statx)."""
+    if not libc_statx:
+        monkeypatch.setattr(statx, "_statx", None)
+    elif statx._statx is None:
+        pytest.skip("libc has no statx here")
     _name, fd = memfd
     os.pwrite(fd, b"x" * (5 * PAGE), 0)
     st = os.fstat(fd)
