@@ -51,10 +51,12 @@ RATE = "[$__rate_interval]"
 NEEDS_NOTE = {
     "node_exporter": "Empty unless node_exporter is scraped (pick its host in `node`).",
     "exporter": "Empty unless `hostpool exporter` is scraped.",
+    "serve": "Empty unless `hostpool serve` is scraped (servers that embed hostpool, such as "
+    "sglang and vLLM, have no populate phase of their own).",
 }
 
 PanelKind = Literal["timeseries", "heatmap", "stat", "gauge"]
-Needs = Literal["node_exporter", "exporter"]
+Needs = Literal["node_exporter", "exporter", "serve"]
 
 
 @dataclass(frozen=True)
@@ -341,17 +343,18 @@ HUGEPAGES = RowSpec(
             ),
             width=12,
             max_value=1,
+            needs="serve",
         ),
         PanelSpec(
             "Ready (hostpool serve)",
             "1 once every pool of `hostpool serve` is populated and it serves (its /readyz "
-            "answers 200), 0 while it populates or stops. Empty for processes that embed "
-            "hostpool: they have no populate phase of their own.",
+            "answers 200), 0 while it populates or stops.",
             "short",
             (q(f"min by (instance) (hostpool_serve_ready{{{TARGET}}})", "{{instance}}"),),
             kind="stat",
             width=12,
             thresholds=((None, "red"), (1, "green")),
+            needs="serve",
         ),
     ),
 )

@@ -460,8 +460,11 @@ def _dashboard_server_series() -> set[str]:
     names: set[str] = set()
     for _, expr in lint.panel_exprs(lint.load_dashboard()):
         names |= lint.metric_names(expr)
+    # hostpool_exporter_* come from `hostpool exporter`, hostpool_serve_* from `hostpool serve`.
     return {
-        n for n in names if n.startswith("hostpool_") and not n.startswith("hostpool_exporter_")
+        n
+        for n in names
+        if n.startswith("hostpool_") and not n.startswith(("hostpool_exporter_", "hostpool_serve_"))
     }
 
 
