@@ -9,7 +9,6 @@ import mmap
 import os
 import signal
 import socket
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -20,7 +19,7 @@ from hypothesis import strategies as st
 from hostpool import HostPoolManager
 from hostpool.errors import ShareError
 from hostpool.share import PoolShareServer, attach, protocol
-from tests import helpers
+from tests import helpers, waiting
 from tests.reliability.share_support import public_dir
 
 __all__ = ["public_dir"]  # a fixture
@@ -37,15 +36,6 @@ def shared(tmp_path: os.PathLike[str]) -> Iterator[tuple[HostPoolManager, PoolSh
     shared_tensor_keepalive.clear()
     server.close()
     manager.close()
-
-
-def _wait(predicate: object, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 def test_writes_cross_both_ways_and_only_the_manifest_travels(
@@ -77,12 +67,12 @@ def test_attached_clients_counted_and_a_killed_peer_detached(
     manager, server, path = shared
     t = manager.allocator("kv2").allocate((MiB,), torch.uint8)
     peer = helpers.attached_peer(path, "kv2")
-    _wait(lambda: server.attached_counts().get("kv2") == 1)
+    waiting.wait_for(lambda: server.attached_counts().get("kv2") == 1, "one peer on kv2")
     (record,) = [r for r in manager.snapshot() if r.pool == "kv2"]
     assert record.peers == 1
     peer.kill()
     peer.wait()
-    _wait(lambda: server.attached_counts().get("kv2") == 0)
+    waiting.wait_for(lambda: server.attached_counts().get("kv2") == 0, "no peer on kv2")
     # The server keeps serving others.
     code2, out = helpers.run_forked(lambda: attach(path, "kv2").tensors[0].numel())
     assert code2 == 0 and out == str(MiB)
@@ -111,7 +101,9 @@ sys.stdin.read()
     with pytest.raises(ShareError, match="gone"):
         h.list_pools()
     h.close()
-    _wait(lambda: helpers.shmem_bytes() <= baseline + (16 << 20))
+    waiting.wait_for(
+        lambda: helpers.shmem_bytes() <= baseline + (16 << 20), "the shared memory given back"
+    )
 
 
 def test_unsealed_and_short_fds_are_refused(tmp_path: os.PathLike[str]) -> None:

@@ -221,15 +221,6 @@ def process_fds(pid: int | str = "self") -> dict[int, str]:
     return out
 
 
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    """Poll /proc-backed state until `predicate()`; `timeout` is only an upper bound."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not reached within {timeout} s: {what}")
-        time.sleep(0.01)
-
-
 F_SEAL_FUTURE_WRITE = 0x10
 SEALED = 0x1 | 0x2 | 0x4  # F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW
 MFD_HUGE_2MB = 21 << 26

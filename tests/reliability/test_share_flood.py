@@ -19,7 +19,8 @@ import torch
 
 from hostpool.errors import ShareError
 from hostpool.share import attach, protocol
-from tests.reliability.share_support import NOBODY, Server, public_dir, record, wait_until
+from tests.reliability.share_support import NOBODY, Server, public_dir, record
+from tests.waiting import wait_for
 
 __all__ = ["public_dir"]
 FLOOD = 3000
@@ -147,7 +148,7 @@ def test_fd_exhaustion_backs_off_and_keeps_serving(public_dir: str) -> None:
             try:
                 # Out of fds the loop pauses accepting; if an fd came free meanwhile (a
                 # busy host's timing), it evicts a pending attacker for it instead.
-                wait_until(
+                wait_for(
                     lambda: (
                         "hostpool.share_accept_paused" in server.events()
                         or "fd limit reached" in server.events()
@@ -169,13 +170,13 @@ def test_fd_exhaustion_backs_off_and_keeps_serving(public_dir: str) -> None:
 
             # 2. Idle connections hold fds when the application runs out: they pay for a
             # legitimate attach (closed oldest first), which completes at once.
-            wait_until(lambda: _server_sockets(server.pid) == base, "the first flood gone")
+            wait_for(lambda: _server_sockets(server.pid) == base, "the first flood gone")
             found = re.search(r"max_connections_per_uid=(\d+)", server.events())
             assert found is not None
             kept = min(20, int(found.group(1)))  # the per-uid cap evicts the oldest
             attacker = flood(path, 20, uid=NOBODY)
             try:
-                wait_until(
+                wait_for(
                     lambda: _server_sockets(server.pid) >= base + kept,
                     f"the server holds {kept} idle connections of the flood",
                 )

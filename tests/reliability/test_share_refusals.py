@@ -16,7 +16,8 @@ from hostpool import HostPoolManager
 from hostpool.errors import ShareError
 from hostpool.share import PoolShareServer, attach, protocol
 from tests import helpers
-from tests.reliability.share_support import NOBODY, process_fds, public_dir, wait_until
+from tests.reliability.share_support import NOBODY, process_fds, public_dir
+from tests.waiting import wait_for
 
 __all__ = ["public_dir"]
 ROUNDS = 50  # per kind of refusal: 4 kinds, 200 refused or failed attaches in all
@@ -90,7 +91,7 @@ def test_200_refused_and_failed_attaches_leave_no_server_fd(public_dir: str) -> 
                 _hang_up_before_reply(path, "three")
             # The loop serves connections in its own time: the event is every peer's
             # socket gone from the server's fd table.
-            wait_until(
+            wait_for(
                 lambda: _sockets() <= sum(t.startswith("socket:") for t in baseline.values()),
                 "the server closed every peer connection",
             )

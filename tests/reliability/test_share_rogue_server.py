@@ -36,8 +36,8 @@ from tests.reliability.share_support import (
     public_dir,
     rogue_head,
     rogue_memfd,
-    wait_until,
 )
+from tests.waiting import wait_for
 
 __all__ = ["public_dir"]
 MiB, GiB = 1 << 20, 1 << 30
@@ -199,7 +199,7 @@ def _punch(fd: int, length: int) -> str:
 
 
 def wait_for_file(path: str) -> None:
-    wait_until(lambda: os.path.exists(path) and os.path.getsize(path) > 0, f"{path} written")
+    wait_for(lambda: os.path.exists(path) and os.path.getsize(path) > 0, f"{path} written")
 
 
 @pytest.mark.usefixtures("untouched")
