@@ -43,7 +43,7 @@ from bench._common import (
     utc_now,
     write_json,
 )
-from bench.serve_stop import _Lines
+from bench.serve_stop import LogLines
 
 RESULTS = RESULTS_DIR / "serve_probe.json"
 P99_TARGET_S = 0.1
@@ -81,7 +81,7 @@ def run(size: int, pause: float) -> dict[str, Any]:
         stderr=subprocess.PIPE,
         text=True,
     )
-    lines = _Lines(proc.stderr)
+    lines = LogLines(proc.stderr)
     samples: dict[str, list[tuple[int, float]]] = {e: [] for e in ENDPOINTS}
     try:
         base = lines.wait_for(r'"url": "(http://[^"]+?)/"', proc).group(1)

@@ -91,7 +91,7 @@ def _wall(stamp: str) -> float:
     return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
-class _Lines:
+class LogLines:
     """Reads a pipe on a thread, keeping every line."""
 
     def __init__(self, stream: Any) -> None:
@@ -146,7 +146,7 @@ def stop_serve(size: int) -> dict[str, Any]:
         stderr=subprocess.PIPE,
         text=True,
     )
-    lines = _Lines(proc.stderr)
+    lines = LogLines(proc.stderr)
     try:
         match = lines.wait_for(r'"url": "(http://[^"]+?)/?"', proc)
         url = match.group(1).removesuffix("/metrics")

@@ -4,18 +4,10 @@ redrawn after it; no log text is glued to a fragment of the bar."""
 
 from __future__ import annotations
 
-import os
-import pty
 import re
-import select
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from tests.test_serve_progress import screen
-from tests.waiting import DEADLINE
+from tests.test_serve_progress import screen, serve_on_a_pty
 
 ROOT = Path(__file__).resolve().parents[1]
 # Eight 64 MiB chunks: at debug, each chunk's hostpool.populate and hostpool.alloc lines
@@ -27,47 +19,10 @@ LOG_START = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+Z \[")
 CLEAR = "\r\x1b[K"
 
 
-def _serve_on_a_pty(config: Path) -> str:
-    """Everything `hostpool serve` wrote to its terminal until it served and stopped."""
-    leader, follower = pty.openpty()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hostpool", "--log-format", "console", "--log-level", "debug",
-         "serve", "--port", "0", "--config", str(config)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=follower,
-    )  # fmt: skip
-    os.close(follower)
-    raw = b""
-    try:
-        deadline = time.monotonic() + DEADLINE
-        while b"hostpool.serving" not in raw:
-            assert time.monotonic() < deadline, raw[-2000:]
-            assert proc.poll() is None, raw[-2000:]
-            if select.select([leader], [], [], 0.5)[0]:
-                raw += os.read(leader, 65536)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=DEADLINE) == 0
-        while select.select([leader], [], [], 0.2)[0]:
-            try:
-                chunk = os.read(leader, 65536)
-            except OSError:  # EIO: the child's side is closed
-                break
-            if not chunk:
-                break
-            raw += chunk
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        os.close(leader)
-    return COLOURS.sub("", raw.decode(errors="replace"))
-
-
 def test_log_lines_between_chunks_clear_and_redraw_the_bar(tmp_path: Path) -> None:
     config = tmp_path / "serve.toml"
     config.write_text(CONFIG)
-    text = _serve_on_a_pty(config)
+    text = COLOURS.sub("", serve_on_a_pty(config, "--log-level", "debug"))
     starts = [m.start() for m in LOG_START.finditer(text)]
     assert starts, text[-2000:]
     first_bar = BAR.search(text)

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.waiting import DEADLINE
+
 ROOT = Path(__file__).resolve().parents[1]
 # One 512 MiB chunk: populate reports each 64 MiB span of it.
 CONFIG = '[pools.kv]\nsize = "512MiB"\nchunk = "1GiB"\n'
@@ -48,13 +50,13 @@ def screen(raw: str) -> list[str]:
     return lines
 
 
-def test_progress_bar_within_a_chunk_and_untorn_by_logs(tmp_path: Path) -> None:
-    config = tmp_path / "serve.toml"
-    config.write_text(CONFIG)
+def serve_on_a_pty(config: Path, *flags: str) -> str:
+    """Everything `hostpool serve --log-format console FLAGS` wrote to its terminal (a
+    real pty) until it served, was stopped with SIGTERM and exited 0."""
     leader, follower = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hostpool", "--log-format", "console", "serve", "--port", "0",
-         "--config", str(config)],
+        [sys.executable, "-m", "hostpool", "--log-format", "console", *flags,
+         "serve", "--port", "0", "--config", str(config)],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=follower,
@@ -62,17 +64,18 @@ def test_progress_bar_within_a_chunk_and_untorn_by_logs(tmp_path: Path) -> None:
     os.close(follower)
     raw = b""
     try:
-        deadline = time.monotonic() + 60
-        while b"hostpool.serving" not in raw and time.monotonic() < deadline:
-            ready, _, _ = select.select([leader], [], [], 0.5)
-            if ready:
+        deadline = time.monotonic() + DEADLINE
+        while b"hostpool.serving" not in raw:
+            assert time.monotonic() < deadline, raw[-2000:]
+            assert proc.poll() is None, raw[-2000:]
+            if select.select([leader], [], [], 0.5)[0]:
                 raw += os.read(leader, 65536)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=15) == 0
+        assert proc.wait(timeout=DEADLINE) == 0
         while select.select([leader], [], [], 0.2)[0]:
             try:
                 chunk = os.read(leader, 65536)
-            except OSError:
+            except OSError:  # EIO: the child's side is closed
                 break
             if not chunk:
                 break
@@ -82,7 +85,13 @@ def test_progress_bar_within_a_chunk_and_untorn_by_logs(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
         os.close(leader)
-    text = raw.decode(errors="replace")
+    return raw.decode(errors="replace")
+
+
+def test_progress_bar_within_a_chunk_and_untorn_by_logs(tmp_path: Path) -> None:
+    config = tmp_path / "serve.toml"
+    config.write_text(CONFIG)
+    text = serve_on_a_pty(config)
     # Every state the bar went through, as written (before the terminal overwrote it).
     shown = {m.group(1) for m in BAR.finditer(text)}
     assert shown & {"64MiB", "128MiB", "192MiB", "256MiB", "320MiB", "384MiB", "448MiB"}, shown
