@@ -11,7 +11,7 @@ SERVE_ARGS ?=
 
 .PHONY: run test test-fast lint bench soak dashboards prometheus sglang-libs vllm-venv clean
 
-$(STAMP): pyproject.toml setup.py hostpool-instrument.pth requirements/sglang-test.txt
+$(STAMP): pyproject.toml setup.py hostpool-instrument.pth requirements/sglang-test.txt hostpool/proc/bulkread.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
@@ -67,6 +67,8 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	# No module uses another's private names (ruff's PLC2701 skips imports within a package).
 	$(PY) tools/check_private_names.py hostpool
+	# The C extension compiles without a warning (pip builds it without -Werror).
+	gcc -fsyntax-only -Wall -Wextra -Werror -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" hostpool/proc/bulkread.c
 
 # The other page states compare the targets' variants only (restated peers: warm table).
 POPULATE_STATES = hostpool_shm,hostpool_shm_2mb,hostpool_mmap,sglang_alloc_shm,sglang_alloc_mmap_2mb,sglang_alloc_mmap_parallel,torch_empty_zero,bare_hugetlb_madvise,bare_shm_populate,bare_anon_populate

@@ -1,7 +1,10 @@
-"""Ships `hostpool-instrument.pth` at the root of site-packages (wheel and editable
-installs alike): it activates `HOSTPOOL_INSTRUMENT` integrations in every Python process,
-at the cost of one environment lookup when the variable is unset. Everything else is in
-pyproject.toml."""
+"""What pyproject.toml cannot say:
+- `hostpool-instrument.pth` at the root of site-packages (wheel and editable installs
+  alike): it activates `HOSTPOOL_INSTRUMENT` integrations in every Python process, at the
+  cost of one environment lookup when the variable is unset;
+- the one compiled part, `hostpool/proc/bulkread.c` (the exporter's loops over every maps
+  line and fd a scrape reads), built with the machine's C compiler and Python headers.
+Everything else is in pyproject.toml."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import os
 import shutil
 from typing import Any
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
@@ -50,4 +53,13 @@ class EditableWithPth(editable_wheel):
         return _StrategyWithPth(super()._select_strategy(*args, **kwargs))
 
 
-setup(cmdclass={"build_py": BuildWithPth, "editable_wheel": EditableWithPth})
+BULKREAD = Extension(
+    "hostpool.proc.bulkread",
+    sources=["hostpool/proc/bulkread.c"],
+    extra_compile_args=["-O2", "-Wall", "-Wextra"],  # `make lint` adds -Werror
+)
+
+setup(
+    cmdclass={"build_py": BuildWithPth, "editable_wheel": EditableWithPth},
+    ext_modules=[BULKREAD],
+)

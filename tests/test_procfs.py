@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hostpool.proc import names, procfs, procgroup, scan, statx
+from hostpool.proc import names, procfs, procgroup, scan
 from hostpool.proc.names import ShmName, classify_path, parse_name
 from tests import helpers, waiting
 
@@ -490,32 +490,6 @@ def test_an_fd_whose_path_the_kernel_cannot_spell_is_skipped(
 # -- fds identified by inode, cheaply ---------------------------------------------------
 
 
-@pytest.mark.parametrize("libc_statx", [True, False], ids=["statx", "stat"])
-def test_fdstat_identifies_an_fd_as_fstat_does(
-    memfd: tuple[str, int], libc_statx: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The same identity and pages through libc's statx and through os.stat (where libc
-    has no statx)."""
-    if not libc_statx:
-        monkeypatch.setattr(statx, "_statx", None)
-    elif statx._statx is None:
-        pytest.skip("libc has no statx here")
-    _name, fd = memfd
-    os.pwrite(fd, b"x" * (5 * PAGE), 0)
-    st = os.fstat(fd)
-    _fd_dir, dir_fd = procfs.open_fd_dir("self")
-    try:
-        fdstat = statx.FdStat()
-        assert fdstat.identity(dir_fd, str(fd).encode()) == statx.identity_of(st.st_dev, st.st_ino)
-        assert fdstat.mode_blocks() == (st.st_mode, st.st_blocks) == (st.st_mode, 5 * PAGE // 512)
-        closed = os.dup(fd)
-        os.close(closed)
-        with pytest.raises(FileNotFoundError):
-            fdstat.identity(dir_fd, str(closed).encode())
-    finally:
-        os.close(dir_fd)
-
-
 def test_a_maps_line_names_the_object_as_its_fds_do(memfd: tuple[str, int]) -> None:
     """The key of a mapped object (from maps' `major:minor inode`) is the identity a
     statx of an fd for it gives: that is how fds are joined to mappings."""
@@ -523,7 +497,7 @@ def test_a_maps_line_names_the_object_as_its_fds_do(memfd: tuple[str, int]) -> N
     with mmap.mmap(fd, PAGE):
         holdings = scan.read_holdings("self", scan.Matcher((name,)))
         st = os.fstat(fd)
-        assert list(holdings.objects) == [statx.identity_of(st.st_dev, st.st_ino)]
+        assert list(holdings.objects) == [scan.identity_of(st.st_dev, st.st_ino)]
         (obj,) = holdings.objects.values()
         assert obj.fds == 2  # the fixture's fd and mmap's dup
 

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hostpool.proc import bulkread
 from hostpool.proc.names import Kind, ShmName
 from hostpool.proc.procfs import (
     ProcessAccessError,
@@ -19,7 +20,14 @@ from hostpool.proc.procfs import (
     ShmMapping,
     read_process,
 )
-from hostpool.proc.scan import Holdings, Key, Matcher, fill_residency, read_holdings
+from hostpool.proc.scan import (
+    ROW_ALLOCATED,
+    Holdings,
+    Key,
+    Matcher,
+    fill_residency,
+    read_holdings,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,22 +232,7 @@ class PoolTotals:
 
 def holdings_totals(holdings: Holdings) -> dict[tuple[str, str], PoolTotals]:
     """One process's holdings summed per (prefix, pool)."""
-    out: dict[tuple[str, str], PoolTotals] = {}
-    get = out.get
-    for obj in holdings.objects.values():
-        name, mapped, allocated = obj.name, obj.mapped_bytes, obj.allocated_bytes
-        pool = (name.prefix, name.pool)
-        totals = get(pool)
-        if totals is None:
-            totals = out[pool] = PoolTotals()
-        totals.open_fds += obj.fds
-        totals.mappings += obj.mappings
-        totals.mapped_bytes += mapped
-        # obj.resident_bytes, inline: this runs once per mapped object per scrape
-        if allocated is None:
-            totals.resident_bytes += obj.smaps_resident or 0
-        else:
-            totals.resident_bytes += allocated if allocated < mapped else mapped
+    out = {pool: PoolTotals(*sums) for pool, sums in bulkread.pool_totals(holdings.rows).items()}
     for name, count in holdings.unmapped_fds.values():
         pool = (name.prefix, name.pool)
         totals = out.get(pool)
@@ -247,6 +240,16 @@ def holdings_totals(holdings: Holdings) -> dict[tuple[str, str], PoolTotals]:
             totals = out[pool] = PoolTotals()
         totals.open_fds += count
     return out
+
+
+def _measured_pages(read: Iterable[Holdings]) -> dict[Key, int]:
+    """Each object's pages, as an fd in some process measured them."""
+    return {
+        key: row[ROW_ALLOCATED]
+        for holdings in read
+        for key, row in holdings.rows.items()
+        if row[ROW_ALLOCATED] is not None
+    }
 
 
 UNREADABLE_PIDS_KEPT = 10  # pids a scan names of those it could not read
@@ -264,14 +267,13 @@ class TotalsScan:
 
 def scan_totals(matcher: Matcher, *, deadline: float | None = None) -> TotalsScan:
     """`read_holdings` of every process but this one, in pid order, until `deadline`
-    (time.monotonic()): what was read by then is returned, with `truncated` set. Each
-    object's pages are measured once per scan (`pages`), and objects mapped without an
-    fd get theirs once every process was read (`fill_residency`)."""
+    (time.monotonic()): what was read by then is returned, with `truncated` set. Objects
+    a process maps without an fd for them get their pages once every process was read
+    (`fill_residency`): those another process's fd measured, whichever was read first."""
     import psutil  # lazy: only the exporter and inspect pay for it
 
     result = TotalsScan()
     me = os.getpid()
-    pages: dict[Key, int] = {}
     read: list[Holdings] = []
     for pid in psutil.pids():
         if pid == me:
@@ -280,7 +282,7 @@ def scan_totals(matcher: Matcher, *, deadline: float | None = None) -> TotalsSca
             result.truncated = True
             break
         try:
-            holdings = read_holdings(pid, matcher, deadline=deadline, pages=pages)
+            holdings = read_holdings(pid, matcher, deadline=deadline)
         except ProcessNotFoundError:
             continue
         except ProcessAccessError:
@@ -288,11 +290,12 @@ def scan_totals(matcher: Matcher, *, deadline: float | None = None) -> TotalsSca
             if len(result.unreadable_pids) < UNREADABLE_PIDS_KEPT:
                 result.unreadable_pids.append(pid)
             continue
-        if holdings.objects or holdings.unmapped_fds:
+        if holdings.rows or holdings.unmapped_fds:
             read.append(holdings)
         if not holdings.complete:
             result.truncated = True
             break
+    pages = _measured_pages(read) if any(bulkread.unmeasured(h.rows) for h in read) else {}
     for holdings in read:
         # past the budget, no smaps reads: what the scan measured, marked partial
         in_time = deadline is None or time.monotonic() <= deadline

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from hostpool.errors import ConfigError
+from hostpool.proc import bulkread
 from hostpool.proc.names import Kind, ShmName, classify_path, parse_name
 from hostpool.proc.procfs import (
     GONE,
@@ -22,29 +22,40 @@ from hostpool.proc.procfs import (
     open_fd_dir,
     read_proc_bytes,
 )
-from hostpool.proc.statx import FdStat, Identity
 
 #
 # `read_process` keeps every fd and VMA and reads smaps (a page-table walk). The
 # exporter needs less per object: its name, the bytes mapped and the pages it holds. So
-# maps is parsed in bulk (one regex over the file, one tuple of fields per line, each
-# path looked up in the names already parsed), each fd is identified with one syscall
-# where possible, and residency is one statx per object (`st_blocks`: the same cost at
-# any size).
+# the per-line and per-fd loops run in C (`bulkread`): maps comes back as one entry per
+# object, each fd is identified by one statx and joined to its object there, and Python
+# sees objects and the few fds a link must decide. Residency is one statx per object
+# (`st_blocks`: the same cost at any size). Each path is parsed once (`Matcher`).
 
-Key = Identity | bytes  # (st_ino, dev major, dev minor); an inode-less anonymous VMA's path
+Identity = tuple[int, int, int]  # (st_ino, major(st_dev), minor(st_dev)), as statx gives
+Key = Identity | bytes  # an object's identity; an inode-less anonymous VMA's path
+PoolKey = tuple[str, str]  # (prefix, pool)
+Match = tuple[Kind, ShmName, PoolKey]  # what a path names
+# A row per mapped object, what a read knows of it (filled in by bulkread and here):
+# [path, match, mappings, mapped_bytes, fds, allocated_bytes or None, smaps_resident or None]
+Row = list[Any]
+ROW_PATH, ROW_MATCH, ROW_MAPPINGS, ROW_MAPPED, ROW_FDS, ROW_ALLOCATED, ROW_SMAPS = range(7)
 
-_CHECK_EVERY: Final = 256  # fds between two looks at the deadline
+_CHECK_EVERY: Final = 256  # fds between two looks at the deadline when links are read
 _NAMES_KEPT: Final = 1 << 20
 _ROTATE_EVERY: Final = 16  # complete scans between two clean-ups of the parsed paths
 _UNKNOWN: Final[Any] = object()
-# a maps (or smaps header) line with a path: start, end, offset, major:minor, inode, path
+# a smaps header line with a path: start, end, offset, major:minor, inode, path
 _MAPS_LINE: Final = rb"^([0-9a-f]+)-([0-9a-f]+) [^ \n]+ ([0-9a-f]+) ([0-9a-f]+:[0-9a-f]+) (\d+) +"
 
 
+def identity_of(dev: int, ino: int) -> Identity:
+    """The identity of an object with this st_dev and st_ino (as maps and statx key it)."""
+    return ino, os.major(dev), os.minor(dev)
+
+
 class Matcher:
-    """What each path met in maps or an fd link says: the kind and parsed name of a shm
-    object that names one of `prefixes`, or None.
+    """What each path met in maps or an fd link says: the kind, parsed name and pool of a
+    shm object that names one of `prefixes`, or None.
 
     Parsed paths (those that name no match too: a library, `[heap]`) are kept from one
     scan to the next (`next_scan`): a name lives as long as its object, so a scrape
@@ -59,15 +70,14 @@ class Matcher:
             raise ConfigError("a Matcher needs non-empty prefixes")
         self.prefixes = tuple(prefixes)
         self.needles = tuple(p.encode(errors="surrogateescape") for p in self.prefixes)
-        # every maps line with a path; smaps headers whose path mentions a prefix (the
-        # regex engine skips the other lines and every `Name: value kB` line)
+        # smaps headers whose path mentions a prefix (the regex engine skips the other
+        # lines and every `Name: value kB` line)
         alternatives = b"|".join(re.escape(n) for n in self.needles)
-        self.maps_line = re.compile(_MAPS_LINE + rb"([^\n]+)", re.MULTILINE)
         self.smaps_line = re.compile(
             _MAPS_LINE + rb"([^\n]*?(?:" + alternatives + rb")[^\n]*)$", re.MULTILINE
         )
-        self.parsed: dict[bytes, tuple[Kind, ShmName] | None] = {}  # met in this scan
-        self._previous: dict[bytes, tuple[Kind, ShmName] | None] = {}
+        self.parsed: dict[bytes, Match | None] = {}  # met in this scan
+        self._previous: dict[bytes, Match | None] = {}
         self.devices: dict[bytes, tuple[int, int]] = {}  # `major:minor` -> ints
         self._scans = 0
 
@@ -75,8 +85,8 @@ class Matcher:
         """Whether `data` contains any prefix (libc memmem)."""
         return any(contains(data, n) for n in self.needles)
 
-    def lookup(self, path: bytes) -> tuple[Kind, ShmName] | None:
-        """(kind, name) for a maps path or an fd's link, None if it names no match."""
+    def lookup(self, path: bytes) -> Match | None:
+        """(kind, name, pool) for a maps path or an fd's link, None if it names no match."""
         hit = self.parsed.get(path, _UNKNOWN)
         if hit is not _UNKNOWN:
             return hit  # type: ignore[no-any-return]
@@ -84,7 +94,10 @@ class Matcher:
         if hit is _UNKNOWN:
             classified = classify_path(path.decode(errors="surrogateescape"))
             parsed = parse_name(classified[1], self.prefixes) if classified else None
-            hit = None if classified is None or parsed is None else (classified[0], parsed)
+            if classified is None or parsed is None:
+                hit = None
+            else:
+                hit = (classified[0], parsed, (parsed.prefix, parsed.pool))
         self.parsed[path] = hit
         return hit  # type: ignore[no-any-return]
 
@@ -113,26 +126,30 @@ class Matcher:
             self._previous, self.parsed, self._scans = self.parsed, {}, 0
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class HeldObject:
-    """One mapped shm object as one process holds it (summed, no per-VMA detail)."""
+    """One mapped shm object as one process holds it (summed, no per-VMA detail): a
+    snapshot of its row."""
 
     kind: Kind
     name: ShmName
     path: bytes  # as maps shows it: the same text as an fd's link to the object
     mappings: int  # logical mappings (the VMAs one mmap was split into count once)
     mapped_bytes: int
-    end: int  # of its last VMA so far, to join the next one
-    offset_end: int  # file offset where that VMA ends
-    fds: int = 0
-    allocated_bytes: int | None = None  # st_blocks * 512 through one of its fds; None: no fd
-    smaps_resident: int | None = None  # Rss + hugetlb of its VMAs, read only without an fd
+    fds: int
+    allocated_bytes: int | None  # st_blocks * 512 through one of its fds; None: none yet
+    smaps_resident: int | None  # Rss + hugetlb of its VMAs, read only when no fd measured it
+
+    @classmethod
+    def of(cls, row: Row) -> HeldObject:
+        kind, name, _pool = row[ROW_MATCH]
+        return cls(kind, name, *row[ROW_PATH:ROW_MATCH], *row[ROW_MAPPINGS:])
 
     @property
     def resident_bytes(self) -> int:
         """Pages the object holds (swapped-out shmem pages included), at most the bytes
-        mapped here; for an object this process maps without an fd for it, the Rss and
-        hugetlb pages of its mappings."""
+        mapped here; for an object no fd measured, the Rss and hugetlb pages of its
+        mappings here (the figure bulkread.pool_totals sums)."""
         if self.allocated_bytes is not None:
             return min(self.allocated_bytes, self.mapped_bytes)
         return self.smaps_resident or 0
@@ -143,9 +160,14 @@ class Holdings:
     """What one process holds of the matched objects, for per-pool totals."""
 
     pid: int
-    objects: dict[Key, HeldObject]  # mapped objects, with the fds that refer to them
+    rows: dict[Key, Row]  # the matched mapped objects, with the fds that refer to them
     unmapped_fds: dict[bytes, tuple[ShmName, int]]  # the other matched fds, by link
     complete: bool  # False when the deadline stopped the reading part way
+
+    @property
+    def objects(self) -> dict[Key, HeldObject]:
+        """The matched mapped objects, each as a HeldObject (for readers)."""
+        return {key: HeldObject.of(row) for key, row in self.rows.items()}
 
 
 FdStrategy = Literal["auto", "stat", "link"]
@@ -156,29 +178,39 @@ def read_holdings(
     matcher: Matcher,
     *,
     deadline: float | None = None,
-    pages: dict[Key, int] | None = None,
     fds_by: FdStrategy = "auto",
 ) -> Holdings:
     """The matched objects `pid` maps and the matched fds it holds, with each mapped
-    object's pages where one of its fds here (or `pages`) tells them.
+    object's pages where one of its fds here tells them.
 
     Maps first (every mapped object with its inode), then the fd directory, one of two
     ways (`fds_by`; "auto" picks the cheaper, the results are the same): "stat" statx-es
     every fd (one syscall identifies it by inode and gives its object's pages; only
     unmapped regular files are read as links too), the cheaper way when mapped objects
     make up at least a quarter of the fds; "link" reads every fd's link and statx-es one
-    fd per mapped object. `pages` (object -> st_blocks * 512) is shared by the reads of
-    one scan: it is filled with what this read measured, and saves "link" the statx of
-    an object another process measured. Objects left without pages get them from
-    `fill_residency`. `deadline` (a time.monotonic() value) stops the reading part way:
-    `complete` is then False. Raises ProcessNotFoundError / ProcessAccessError like the
-    other readers.
+    fd per mapped object. Objects left without pages get them from `fill_residency`.
+    `deadline` (a time.monotonic() value) stops the reading part way: `complete` is then
+    False. Raises ProcessNotFoundError / ProcessAccessError like the other readers.
     """
     data = read_proc_bytes(pid, f"/proc/{pid}/maps")
-    objects = _mapped_objects(data, matcher) if matcher.mentions(data) else {}
-    unmapped, complete = _held_fds(pid, matcher, objects, deadline, fds_by, pages)
+    rows = _mapped_rows(data, matcher) if matcher.mentions(data) else {}
+    fd_dir, dir_fd = open_fd_dir(pid)
+    try:
+        try:  # bytes names: links come back as bytes, as maps paths do
+            entries = os.listdir(os.fsencode(fd_dir))
+        except GONE:
+            raise ProcessNotFoundError(pid) from None
+        except PermissionError:
+            raise ProcessAccessError(pid, fd_dir) from None
+        reader = _FdReader(pid, fd_dir, dir_fd, matcher, rows)
+        if fds_by == "stat" or (fds_by == "auto" and rows and 4 * len(rows) >= len(entries)):
+            complete = reader.by_stat(entries, deadline)
+        else:
+            complete = reader.by_link(entries, deadline)
+    finally:
+        os.close(dir_fd)
     real_pid = os.getpid() if pid == "self" else pid
-    return Holdings(real_pid, objects, unmapped, complete)
+    return Holdings(real_pid, rows, reader.unmapped, complete)
 
 
 def fill_residency(
@@ -190,11 +222,10 @@ def fill_residency(
     Called once the whole scan is read, so which process was read first changes nothing.
     A process gone since leaves 0. Returns False if some object was left unmeasured."""
     unresolved: set[Key] = set()
-    for key, obj in holdings.objects.items():
-        if obj.allocated_bytes is None:
-            obj.allocated_bytes = pages.get(key)
-            if obj.allocated_bytes is None:
-                unresolved.add(key)
+    for key in bulkread.unmeasured(holdings.rows):
+        allocated = holdings.rows[key][ROW_ALLOCATED] = pages.get(key)
+        if allocated is None:
+            unresolved.add(key)
     if not unresolved:
         return True
     if not smaps:
@@ -204,120 +235,55 @@ def fill_residency(
     except (ProcessNotFoundError, ProcessAccessError):
         return True  # gone (or its credentials changed): it is not counted as holding
     for key, resident in measured.items():
-        holdings.objects[key].smaps_resident = resident
+        holdings.rows[key][ROW_SMAPS] = resident
     return True
 
 
-def _mapped_objects(data: bytes, matcher: Matcher) -> dict[Key, HeldObject]:
-    objects: dict[Key, HeldObject] = {}
-    get, known, lookup = objects.get, matcher.parsed.get, matcher.lookup
-    devices, device = matcher.devices.get, matcher.device
-    for start, end, offset, dev, ino, path in matcher.maps_line.findall(data):
-        hit = known(path, _UNKNOWN)
-        if hit is _UNKNOWN:
-            hit = lookup(path)
-        if hit is None:
-            continue
-        if ino == b"0":
-            key: Key = path
-        else:
-            major, minor = devices(dev) or device(dev)
-            key = (int(ino), major, minor)
-        lo, hi, at = int(start, 16), int(end, 16), int(offset, 16)
-        obj = get(key)
-        if obj is None:
-            objects[key] = HeldObject(hit[0], hit[1], path, 1, hi - lo, hi, at + hi - lo)
-            continue
-        # maps is sorted by address: a VMA starting where this object's last one ended,
-        # at the next offset in the file, is the rest of one mmap split by madvise
-        if not (obj.end == lo and (obj.kind == "anon" or obj.offset_end == at)):
-            obj.mappings += 1
-        obj.mapped_bytes += hi - lo
-        obj.end, obj.offset_end = hi, at + hi - lo
-    return objects
+def _mapped_rows(data: bytes, matcher: Matcher) -> dict[Key, Row]:
+    """The rows of the matched objects that the maps file `data` maps (paths met before
+    are looked up in C; only new ones are parsed here)."""
+    rows, unnamed = bulkread.maps_objects(data, matcher.needles, matcher.parsed)
+    for key in unnamed:
+        row = rows[key]
+        row[ROW_MATCH] = matcher.lookup(row[ROW_PATH])
+        if row[ROW_MATCH] is None:
+            del rows[key]
+    return rows
 
 
 Unmapped = dict[bytes, tuple[ShmName, int]]
 
 
-def _held_fds(
-    pid: Pid,
-    matcher: Matcher,
-    objects: dict[Key, HeldObject],
-    deadline: float | None,
-    fds_by: FdStrategy,
-    pages: dict[Key, int] | None,
-) -> tuple[Unmapped, bool]:
-    fd_dir, dir_fd = open_fd_dir(pid)
-    try:
-        try:  # bytes names: links come back as bytes, as maps paths do
-            entries = os.listdir(os.fsencode(fd_dir))
-        except GONE:
-            raise ProcessNotFoundError(pid) from None
-        except PermissionError:
-            raise ProcessAccessError(pid, fd_dir) from None
-        reader = _FdReader(pid, fd_dir, dir_fd, matcher, objects, {} if pages is None else pages)
-        with_inode = sum(1 for key in objects if type(key) is tuple)
-        if fds_by == "stat" or (fds_by == "auto" and with_inode and 4 * with_inode >= len(entries)):
-            return reader.by_stat(entries, deadline)
-        return reader.by_link(entries, deadline)
-    finally:
-        os.close(dir_fd)
-
-
 class _FdReader:
-    """One process's fd directory, read against its mapped objects."""
+    """One process's fd directory, read against the rows of its mapped objects."""
 
     def __init__(
-        self,
-        pid: Pid,
-        fd_dir: str,
-        dir_fd: int,
-        matcher: Matcher,
-        objects: dict[Key, HeldObject],
-        pages: dict[Key, int],
+        self, pid: Pid, fd_dir: str, dir_fd: int, matcher: Matcher, rows: dict[Key, Row]
     ) -> None:
         self.pid, self.fd_dir, self.dir_fd = pid, fd_dir, dir_fd
-        self.matcher, self.objects, self.pages = matcher, objects, pages
+        self.matcher, self.rows = matcher, rows
         self.unmapped: Unmapped = {}
 
-    def by_stat(self, entries: list[bytes], deadline: float | None) -> tuple[Unmapped, bool]:
-        get, dir_fd, pages, fdstat = self.objects.get, self.dir_fd, self.pages, FdStat()
-        identity, mode_blocks = fdstat.identity, fdstat.mode_blocks
-        for first in range(0, len(entries), _CHECK_EVERY):
-            if deadline is not None and time.monotonic() > deadline:
-                return self.unmapped, False
-            for entry in entries[first : first + _CHECK_EVERY]:
-                try:
-                    key = identity(dir_fd, entry)
-                except GONE:
-                    continue  # closed since the listing
-                except OSError:
-                    # its filesystem refused (another user's FUSE mount, a stale NFS
-                    # handle): its link still names it; a link we may not read closes
-                    # the process to us
-                    self._unmapped(entry)
-                    continue
-                obj = get(key)
-                if obj is not None:
-                    obj.fds += 1
-                    if obj.allocated_bytes is None:  # once per object and process
-                        obj.allocated_bytes = pages[key] = mode_blocks()[1] * 512
-                elif stat.S_ISREG(mode_blocks()[0]):  # memfds, shm files: regular files
-                    self._unmapped(entry)
-        return self.unmapped, True
+    def by_stat(self, entries: list[bytes], deadline: float | None) -> bool:
+        unmatched, read = bulkread.stat_fds(self.dir_fd, entries, self.rows, deadline)
+        for entry in unmatched:
+            # a regular file that is no mapped object (memfds and shm files are regular
+            # files), or an fd its filesystem refused to stat (another user's FUSE mount,
+            # a stale NFS handle): its link names it; a link we may not read closes the
+            # process to us
+            self._unmapped(entry)
+        return read == len(entries)
 
-    def by_link(self, entries: list[bytes], deadline: float | None) -> tuple[Unmapped, bool]:
-        objects, dir_fd, lookup = self.objects, self.dir_fd, self.matcher.lookup
-        needles, fdstat = self.matcher.needles, FdStat()
-        by_path: dict[bytes, list[HeldObject]] = {}  # the fd links that name mapped objects
-        for key, held in objects.items():
-            held.allocated_bytes = self.pages.get(key)  # measured by another process
-            if held.kind != "anon":
-                by_path.setdefault(held.path, []).append(held)
+    def by_link(self, entries: list[bytes], deadline: float | None) -> bool:
+        rows, dir_fd, lookup = self.rows, self.dir_fd, self.matcher.lookup
+        needles = self.matcher.needles
+        by_path: dict[bytes, list[Row]] = {}  # the fd links that name mapped objects
+        for row in rows.values():
+            if row[ROW_MATCH][0] != "anon":
+                by_path.setdefault(row[ROW_PATH], []).append(row)
         for i, entry in enumerate(entries):
             if deadline is not None and i % _CHECK_EVERY == 0 and time.monotonic() > deadline:
-                return self.unmapped, False
+                return False
             target = self._link(entry)
             if target is None or not any(n in target for n in needles):
                 continue
@@ -329,23 +295,23 @@ class _FdReader:
                 continue
             # which of the objects of that name: its inode says (needed once per object,
             # for its pages); the name alone decides the pool
-            if any(held.allocated_bytes is None for held in candidates):
+            if any(row[ROW_ALLOCATED] is None for row in candidates):
                 try:
-                    key = fdstat.identity(dir_fd, entry)
+                    key, _mode, blocks = bulkread.stat_fd(dir_fd, entry)
                 except GONE:
                     continue  # closed since the listing
                 except OSError:  # its filesystem refused: the name still decides the pool
-                    candidates[0].fds += 1
+                    candidates[0][ROW_FDS] += 1
                     continue
-                found = objects.get(key)
+                found = rows.get(key)
                 if found is None:
-                    self._count(target, candidates[0].name)  # an unmapped namesake
+                    self._count(target, candidates[0][ROW_MATCH][1])  # an unmapped namesake
                     continue
-                found.allocated_bytes = self.pages[key] = fdstat.mode_blocks()[1] * 512
-                found.fds += 1
+                found[ROW_ALLOCATED] = blocks * 512
+                found[ROW_FDS] += 1
             else:
-                candidates[0].fds += 1  # same name, same pool
-        return self.unmapped, True
+                candidates[0][ROW_FDS] += 1  # same name, same pool
+        return True
 
     def _link(self, entry: bytes) -> bytes | None:
         try:

@@ -1,0 +1,578 @@
+/*
+ * hostpool.proc.bulkread: the exporter's per-line and per-fd loops over /proc, in C.
+ *
+ * A scrape reads every maps line and stats every fd of every process it looks at
+ * (hundreds of thousands per scrape on a loaded host). In Python each line or fd costs
+ * more interpreter time than the kernel spends producing it, so these loops run here and
+ * hand Python one entry per object instead of one per line or fd. What a line or an fd
+ * means (names, pools, kinds) stays in Python (hostpool/proc/scan.py).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+/* the fields statx is asked for; AT_STATX_DONT_SYNC takes what the kernel has cached, so
+ * another user's FUSE daemon or a slow network filesystem cannot stall the read */
+#define WANTED (STATX_TYPE | STATX_INO | STATX_BLOCKS)
+#define BATCH 256 /* fds statx-ed with the GIL released, between two looks at the deadline */
+
+/* ---- maps ------------------------------------------------------------------------- */
+
+/* A lowercase hex number of 1-16 digits at *p (before end); advances *p past it. */
+static int
+parse_hex(const char **p, const char *end, unsigned long long *out)
+{
+    const char *s = *p;
+    unsigned long long v = 0;
+    int digits = 0;
+    for (; s < end; s++) {
+        int d;
+        if (*s >= '0' && *s <= '9')
+            d = *s - '0';
+        else if (*s >= 'a' && *s <= 'f')
+            d = *s - 'a' + 10;
+        else
+            break;
+        if (++digits > 16)
+            return 0;
+        v = (v << 4) | (unsigned long long)d;
+    }
+    if (digits == 0)
+        return 0;
+    *p = s;
+    *out = v;
+    return 1;
+}
+
+/* A decimal number of 1-20 digits that fits 64 bits at *p; advances *p past it. */
+static int
+parse_dec(const char **p, const char *end, unsigned long long *out)
+{
+    const char *s = *p;
+    unsigned long long v = 0;
+    int digits = 0;
+    for (; s < end && *s >= '0' && *s <= '9'; s++) {
+        unsigned d = (unsigned)(*s - '0');
+        if (++digits > 20 || v > (~0ULL - d) / 10)
+            return 0;
+        v = v * 10 + d;
+    }
+    if (digits == 0)
+        return 0;
+    *p = s;
+    *out = v;
+    return 1;
+}
+
+static int
+expect(const char **p, const char *end, char c)
+{
+    if (*p >= end || **p != c)
+        return 0;
+    (*p)++;
+    return 1;
+}
+
+struct maps_line {
+    unsigned long long start, end, offset, major, minor, inode;
+    const char *path;
+    Py_ssize_t path_len;
+};
+
+/* `start-end perms offset major:minor inode  path` (proc(5)); 0 for a line without a
+ * path or not of that shape. The path is the rest of the line after the spaces that pad
+ * it to its column. */
+static int
+parse_maps_line(const char *s, const char *eol, struct maps_line *out)
+{
+    const char *perms;
+    if (!parse_hex(&s, eol, &out->start) || !expect(&s, eol, '-'))
+        return 0;
+    if (!parse_hex(&s, eol, &out->end) || !expect(&s, eol, ' '))
+        return 0;
+    for (perms = s; s < eol && *s != ' '; s++)
+        ;
+    if (s == perms || !expect(&s, eol, ' '))
+        return 0;
+    if (!parse_hex(&s, eol, &out->offset) || !expect(&s, eol, ' '))
+        return 0;
+    if (!parse_hex(&s, eol, &out->major) || !expect(&s, eol, ':'))
+        return 0;
+    if (!parse_hex(&s, eol, &out->minor) || !expect(&s, eol, ' '))
+        return 0;
+    if (!parse_dec(&s, eol, &out->inode) || !expect(&s, eol, ' '))
+        return 0;
+    while (s < eol && *s == ' ')
+        s++;
+    if (s >= eol || out->end < out->start)
+        return 0;
+    out->path = s;
+    out->path_len = eol - s;
+    return 1;
+}
+
+static int
+mentions(const char *path, Py_ssize_t len, PyObject *needles)
+{
+    Py_ssize_t i, n = PyTuple_GET_SIZE(needles);
+    for (i = 0; i < n; i++) {
+        PyObject *needle = PyTuple_GET_ITEM(needles, i);
+        if (memmem(path, (size_t)len, PyBytes_AS_STRING(needle),
+                   (size_t)PyBytes_GET_SIZE(needle)))
+            return 1;
+    }
+    return 0;
+}
+
+/* A row per object, the fields of scan.py's ROW_* (each object's truth while a scan
+ * reads it): [path, match, mappings, mapped_bytes, fds, allocated_bytes (st_blocks * 512
+ * through its first fd) or None, smaps_resident or None]. `match` is what the caller's
+ * names say of the path: (kind, name, pool key) */
+enum {
+    ROW_PATH, ROW_MATCH, ROW_MAPPINGS, ROW_MAPPED, ROW_FDS, ROW_ALLOCATED, ROW_SMAPS, ROW_FIELDS
+};
+
+/* (inode, dev major, dev minor): the key of an object with an inode, as maps and statx
+ * give it */
+static PyObject *
+identity(unsigned long long inode, unsigned long long major, unsigned long long minor)
+{
+    PyObject *key = PyTuple_New(3);
+    if (key == NULL)
+        return NULL;
+    PyTuple_SET_ITEM(key, 0, PyLong_FromUnsignedLongLong(inode));
+    PyTuple_SET_ITEM(key, 1, PyLong_FromUnsignedLongLong(major));
+    PyTuple_SET_ITEM(key, 2, PyLong_FromUnsignedLongLong(minor));
+    if (PyErr_Occurred()) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    return key;
+}
+
+static int
+row_check(PyObject *row)
+{
+    if (PyList_CheckExact(row) && PyList_GET_SIZE(row) == ROW_FIELDS)
+        return 0;
+    PyErr_SetString(PyExc_TypeError, "rows must map keys to maps_objects rows");
+    return -1;
+}
+
+static int
+add_to_item(PyObject *row, Py_ssize_t at, unsigned long long more)
+{
+    unsigned long long value = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(row, at));
+    PyObject *sum;
+    if (value == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    sum = PyLong_FromUnsignedLongLong(value + more);
+    return sum == NULL ? -1 : PyList_SetItem(row, at, sum);
+}
+
+static PyObject *
+new_row(PyObject *path, PyObject *match, unsigned long long size)
+{
+    PyObject *row = PyList_New(ROW_FIELDS);
+    if (row == NULL)
+        return NULL;
+    PyList_SET_ITEM(row, ROW_PATH, Py_NewRef(path));
+    PyList_SET_ITEM(row, ROW_MATCH, Py_NewRef(match));
+    PyList_SET_ITEM(row, ROW_MAPPINGS, PyLong_FromLong(1));
+    PyList_SET_ITEM(row, ROW_MAPPED, PyLong_FromUnsignedLongLong(size));
+    PyList_SET_ITEM(row, ROW_FDS, PyLong_FromLong(0));
+    PyList_SET_ITEM(row, ROW_ALLOCATED, Py_NewRef(Py_None));
+    PyList_SET_ITEM(row, ROW_SMAPS, Py_NewRef(Py_None));
+    if (PyErr_Occurred())
+        Py_CLEAR(row);
+    return row;
+}
+
+/* The line's VMA counted in the row of its object (`joined`: it continues the previous
+ * line's VMA). Sets *row to that row (borrowed from `rows`), or to NULL when `names` says
+ * the path is no match. -1 on error. */
+static int
+add_vma(PyObject *rows, PyObject *names, PyObject *unnamed, const struct maps_line *line,
+        PyObject *previous, int joined, PyObject **row)
+{
+    PyObject *path, *key = NULL, *match, *fresh = NULL;
+    unsigned long long size = line->end - line->start;
+
+    *row = NULL;
+    path = PyBytes_FromStringAndSize(line->path, line->path_len);
+    if (path == NULL)
+        return -1;
+    match = PyDict_GetItemWithError(names, path);
+    if (match == Py_None) /* a path met before that names no match */
+        goto done;
+    if (match == NULL && PyErr_Occurred())
+        goto fail;
+    /* an object with an inode is that inode (the identity statx gives its fds); one
+     * without (an anonymous VMA named by prctl) is its path */
+    key = line->inode ? identity(line->inode, line->major, line->minor) : Py_NewRef(path);
+    fresh = key == NULL ? NULL : new_row(path, match == NULL ? Py_None : match, size);
+    if (fresh == NULL)
+        goto fail;
+    /* most objects are met once: one probe inserts the row or finds the object's */
+    *row = PyDict_SetDefault(rows, key, fresh);
+    if (*row == NULL)
+        goto fail;
+    if (*row == fresh) {
+        if (match == NULL && PyList_Append(unnamed, key) < 0)
+            goto fail;
+    } else {
+        if ((*row != previous || !joined) && add_to_item(*row, ROW_MAPPINGS, 1) < 0)
+            goto fail;
+        if (add_to_item(*row, ROW_MAPPED, size) < 0)
+            goto fail;
+    }
+done:
+    Py_XDECREF(fresh);
+    Py_XDECREF(key);
+    Py_DECREF(path);
+    return 0;
+fail:
+    *row = NULL;
+    Py_XDECREF(fresh);
+    Py_XDECREF(key);
+    Py_DECREF(path);
+    return -1;
+}
+
+PyDoc_STRVAR(maps_objects_doc,
+"maps_objects(data, needles, names, /)\n--\n\n"
+"The objects that the maps lines in `data` (a /proc/PID/maps file) map, among the lines\n"
+"whose path contains one of `needles` (a tuple of non-empty bytes): (rows, unnamed).\n"
+"`rows` maps each object's key, (inode, dev major, dev minor) or the path of an\n"
+"inode-less VMA, to its row [path, match, mappings, mapped_bytes, 0, None, None]; the\n"
+"last three are its fds, allocated bytes and smaps residency, which stat_fds and the\n"
+"caller fill in. `match` is names[path]; a path that `names` maps to None is no match\n"
+"and makes no row; a path `names` lacks gets match None and its key listed in\n"
+"`unnamed`, for the caller to name. `mappings` counts logical mappings: the VMAs one\n"
+"mmap was split into count once. Lines of another shape are skipped.");
+
+static PyObject *
+maps_objects(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    Py_buffer data;
+    PyObject *needles, *names, *rows = NULL, *unnamed = NULL, *previous = NULL;
+    unsigned long long previous_end = 0, previous_offset_end = 0;
+    Py_ssize_t i;
+    struct maps_line line;
+
+    if (!PyArg_ParseTuple(args, "y*O!O!:maps_objects", &data, &PyTuple_Type, &needles,
+                          &PyDict_Type, &names))
+        return NULL;
+    for (i = 0; i < PyTuple_GET_SIZE(needles); i++) {
+        PyObject *needle = PyTuple_GET_ITEM(needles, i);
+        if (!PyBytes_Check(needle) || PyBytes_GET_SIZE(needle) == 0) {
+            PyErr_SetString(PyExc_TypeError, "needles must be non-empty bytes");
+            goto fail;
+        }
+    }
+    rows = PyDict_New();
+    unnamed = PyList_New(0);
+    if (rows == NULL || unnamed == NULL)
+        goto fail;
+    {
+        const char *p = data.buf, *end = p + data.len;
+        while (p < end) {
+            const char *eol = memchr(p, '\n', (size_t)(end - p));
+            PyObject *row = NULL;
+            if (eol == NULL)
+                eol = end;
+            if (parse_maps_line(p, eol, &line) && mentions(line.path, line.path_len, needles)) {
+                /* maps is sorted by address: a VMA that starts where the previous line's
+                 * ended, of the same object, at the next offset of the file, is the
+                 * rest of one mmap split by madvise or mprotect (an anonymous VMA shows
+                 * offset 0 whatever its part: its address decides) */
+                int joined = previous != NULL && previous_end == line.start &&
+                             (line.inode == 0 || previous_offset_end == line.offset);
+                if (add_vma(rows, names, unnamed, &line, previous, joined, &row) < 0)
+                    goto fail;
+                previous_end = line.end;
+                previous_offset_end = line.offset + (line.end - line.start);
+            }
+            previous = row; /* NULL: another VMA lies between */
+            p = eol + 1;
+        }
+    }
+    PyBuffer_Release(&data);
+    return Py_BuildValue("(NN)", rows, unnamed);
+fail:
+    Py_XDECREF(rows);
+    Py_XDECREF(unnamed);
+    PyBuffer_Release(&data);
+    return NULL;
+}
+
+/* add[] added to totals[pool] (a new [fds, mappings, mapped, resident] if none yet) */
+static int
+add_sums(PyObject *totals, PyObject *pool, const unsigned long long add[4])
+{
+    PyObject *sums;
+    int i, rc = -1;
+
+    Py_INCREF(pool); /* held: its __eq__ may drop the row it came from */
+    sums = PyDict_GetItemWithError(totals, pool);
+    if (sums == NULL) {
+        if (!PyErr_Occurred()) {
+            sums = Py_BuildValue("[KKKK]", add[0], add[1], add[2], add[3]);
+            rc = sums == NULL ? -1 : PyDict_SetItem(totals, pool, sums);
+            Py_XDECREF(sums);
+        }
+    } else {
+        for (i = 0, rc = 0; i < 4 && rc == 0; i++)
+            rc = add_to_item(sums, i, add[i]);
+    }
+    Py_DECREF(pool);
+    return rc;
+}
+
+PyDoc_STRVAR(pool_totals_doc,
+"pool_totals(rows, /)\n--\n\n"
+"The rows of one process summed per pool key (the third item of each row's match; rows\n"
+"without a match are left out): {pool: [fds, mappings, mapped_bytes, resident_bytes]}.\n"
+"An object's resident bytes are its allocated bytes, at most the bytes mapped, else its\n"
+"smaps residency, else 0.");
+
+static PyObject *
+pool_totals(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *rows, *key, *row, *totals;
+    Py_ssize_t pos = 0;
+
+    if (!PyArg_ParseTuple(args, "O!:pool_totals", &PyDict_Type, &rows))
+        return NULL;
+    totals = PyDict_New();
+    if (totals == NULL)
+        return NULL;
+    while (PyDict_Next(rows, &pos, &key, &row)) {
+        PyObject *match, *pool, *allocated, *smaps;
+        unsigned long long add[4], mapped;
+        if (row_check(row) < 0)
+            goto fail;
+        match = PyList_GET_ITEM(row, ROW_MATCH);
+        if (match == Py_None)
+            continue;
+        if (!PyTuple_Check(match) || PyTuple_GET_SIZE(match) < 3) {
+            PyErr_SetString(PyExc_TypeError, "a match is (kind, name, pool key)");
+            goto fail;
+        }
+        pool = PyTuple_GET_ITEM(match, 2);
+        add[0] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(row, ROW_FDS));
+        add[1] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(row, ROW_MAPPINGS));
+        add[2] = mapped = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(row, ROW_MAPPED));
+        allocated = PyList_GET_ITEM(row, ROW_ALLOCATED);
+        smaps = PyList_GET_ITEM(row, ROW_SMAPS);
+        if (allocated != Py_None) {
+            add[3] = PyLong_AsUnsignedLongLong(allocated);
+            add[3] = add[3] < mapped ? add[3] : mapped;
+        } else {
+            add[3] = smaps == Py_None ? 0 : PyLong_AsUnsignedLongLong(smaps);
+        }
+        if (PyErr_Occurred() || add_sums(totals, pool, add) < 0)
+            goto fail;
+    }
+    return totals;
+fail:
+    Py_DECREF(totals);
+    return NULL;
+}
+
+/* ---- fds -------------------------------------------------------------------------- */
+
+PyDoc_STRVAR(stat_fd_doc,
+"stat_fd(dir_fd, name, /)\n--\n\n"
+"((inode, dev major, dev minor), st_mode, st_blocks) of the object that the fd `name`\n"
+"(bytes) of the open /proc/PID/fd directory `dir_fd` refers to: statx through its link,\n"
+"with cached attributes only. Raises OSError as os.stat does (FileNotFoundError: the fd\n"
+"was closed since it was listed).");
+
+static PyObject *
+stat_fd(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    int dir_fd, rc;
+    PyObject *name;
+    struct statx st;
+
+    if (!PyArg_ParseTuple(args, "iO!:stat_fd", &dir_fd, &PyBytes_Type, &name))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = statx(dir_fd, PyBytes_AS_STRING(name), AT_STATX_DONT_SYNC, WANTED, &st);
+    Py_END_ALLOW_THREADS
+    if (rc != 0)
+        return PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, name);
+    return Py_BuildValue("(NIK)", identity(st.stx_ino, st.stx_dev_major, st.stx_dev_minor),
+                         (unsigned)st.stx_mode, (unsigned long long)st.stx_blocks);
+}
+
+static double
+monotonic(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* what time.monotonic() reads on Linux */
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+struct fd_stat {
+    int error;
+    struct statx st;
+};
+
+/* One statx-ed fd: counted in the row of its object, or kept for a link read. */
+static int
+add_fd(PyObject *entry, const struct fd_stat *got, PyObject *rows, PyObject *unmatched)
+{
+    PyObject *key, *row, *allocated;
+    int rc = -1;
+
+    if (got->error == ENOENT || got->error == ESRCH)
+        return 0; /* closed since the listing, or the process is gone */
+    if (got->error)
+        return PyList_Append(unmatched, entry); /* its filesystem refused: its link tells */
+    key = identity(got->st.stx_ino, got->st.stx_dev_major, got->st.stx_dev_minor);
+    if (key == NULL)
+        return -1;
+    row = PyDict_GetItemWithError(rows, key);
+    if (row == NULL) {
+        /* not a mapped object: a regular file (memfds and shm files are) may still be a
+         * matched fd held unmapped, which its link tells */
+        if (!PyErr_Occurred())
+            rc = S_ISREG(got->st.stx_mode) ? PyList_Append(unmatched, entry) : 0;
+        goto done;
+    }
+    if (row_check(row) < 0 || add_to_item(row, ROW_FDS, 1) < 0)
+        goto done;
+    rc = 0;
+    if (PyList_GET_ITEM(row, ROW_ALLOCATED) == Py_None) { /* its pages, from its first fd */
+        allocated = PyLong_FromUnsignedLongLong((unsigned long long)got->st.stx_blocks * 512);
+        rc = allocated == NULL ? -1 : PyList_SetItem(row, ROW_ALLOCATED, allocated);
+    }
+done:
+    Py_DECREF(key);
+    return rc;
+}
+
+PyDoc_STRVAR(stat_fds_doc,
+"stat_fds(dir_fd, entries, rows, deadline, /)\n--\n\n"
+"statx every fd named in `entries` (a list of bytes) of the open /proc/PID/fd directory\n"
+"`dir_fd`, and count each fd that refers to an object of `rows` (as maps_objects returns\n"
+"them) in its row: its fds, and from the first its allocated bytes (st_blocks * 512).\n"
+"Returns (unmatched, read): the entries a link read must decide (regular files that are none of `rows`, and fds the kernel\n"
+"refused to stat) and how many entries were read: fewer than all when `deadline` (a\n"
+"time.monotonic() value, or None) passed first; it is looked at before every 256 fds.\n"
+"Fds closed since the listing are skipped. The GIL is released while the kernel works.");
+
+static PyObject *
+stat_fds(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    int dir_fd;
+    PyObject *entries, *rows, *deadline_arg, *batch[BATCH], *unmatched;
+    double deadline = 0;
+    Py_ssize_t total, first, i, n, read = 0;
+    struct fd_stat *got;
+
+    if (!PyArg_ParseTuple(args, "iO!O!O:stat_fds", &dir_fd, &PyList_Type, &entries,
+                          &PyDict_Type, &rows, &deadline_arg))
+        return NULL;
+    if (deadline_arg != Py_None) {
+        deadline = PyFloat_AsDouble(deadline_arg);
+        if (deadline == -1.0 && PyErr_Occurred())
+            return NULL;
+    }
+    got = PyMem_Malloc(sizeof(*got) * BATCH);
+    if (got == NULL)
+        return PyErr_NoMemory();
+    unmatched = PyList_New(0);
+    if (unmatched == NULL)
+        goto fail;
+    /* the length is read again before each batch: the list may shrink meanwhile (another
+     * thread while the GIL is released, or a key's __eq__ during a lookup) */
+    for (first = 0; first < (total = PyList_GET_SIZE(entries)); first += n) {
+        if (deadline_arg != Py_None && monotonic() > deadline)
+            break;
+        n = total - first < BATCH ? total - first : BATCH;
+        /* the batch is held while the GIL is released */
+        for (i = 0; i < n; i++) {
+            batch[i] = PyList_GET_ITEM(entries, first + i);
+            if (!PyBytes_Check(batch[i])) {
+                PyErr_SetString(PyExc_TypeError, "entries must be bytes");
+                while (i-- > 0)
+                    Py_DECREF(batch[i]);
+                goto fail;
+            }
+            Py_INCREF(batch[i]);
+        }
+        Py_BEGIN_ALLOW_THREADS
+        for (i = 0; i < n; i++)
+            got[i].error = statx(dir_fd, PyBytes_AS_STRING(batch[i]), AT_STATX_DONT_SYNC,
+                                 WANTED, &got[i].st) == 0 ? 0 : errno;
+        Py_END_ALLOW_THREADS
+        for (i = 0; i < n; i++) {
+            if (add_fd(batch[i], &got[i], rows, unmatched) < 0) {
+                for (; i < n; i++)
+                    Py_DECREF(batch[i]);
+                goto fail;
+            }
+            Py_DECREF(batch[i]);
+        }
+        read += n;
+    }
+    PyMem_Free(got);
+    return Py_BuildValue("(Nn)", unmatched, read);
+fail:
+    PyMem_Free(got);
+    Py_XDECREF(unmatched);
+    return NULL;
+}
+
+PyDoc_STRVAR(unmeasured_doc,
+"unmeasured(rows, /)\n--\n\n"
+"The keys of the rows whose allocated bytes no fd gave (the objects a process maps\n"
+"without holding an fd for them).");
+
+static PyObject *
+unmeasured(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *rows, *key, *row, *keys;
+    Py_ssize_t pos = 0;
+
+    if (!PyArg_ParseTuple(args, "O!:unmeasured", &PyDict_Type, &rows))
+        return NULL;
+    keys = PyList_New(0);
+    while (keys != NULL && PyDict_Next(rows, &pos, &key, &row)) {
+        if (row_check(row) < 0 ||
+            (PyList_GET_ITEM(row, ROW_ALLOCATED) == Py_None && PyList_Append(keys, key) < 0))
+            Py_CLEAR(keys);
+    }
+    return keys;
+}
+
+static PyMethodDef methods[] = {
+    {"maps_objects", maps_objects, METH_VARARGS, maps_objects_doc},
+    {"stat_fd", stat_fd, METH_VARARGS, stat_fd_doc},
+    {"stat_fds", stat_fds, METH_VARARGS, stat_fds_doc},
+    {"pool_totals", pool_totals, METH_VARARGS, pool_totals_doc},
+    {"unmeasured", unmeasured, METH_VARARGS, unmeasured_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "hostpool.proc.bulkread",
+    .m_doc = "The exporter's per-line, per-fd and per-object loops over /proc.",
+    .m_size = 0,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC
+PyInit_bulkread(void)
+{
+    return PyModuleDef_Init(&module);
+}
