@@ -13,8 +13,6 @@ in this process, over those processes only:
 - bare_stat: read maps, list the fd directory and `os.stat` every fd (the inode that
   identifies the object an fd refers to, and its pages: the least a reader that counts
   fds per object and residency per object must do; what the exporter does per fd);
-- floor: bare_stat, and the maps lines split into fields by one regex (a tuple per
-  line): every figure the gauges need is then in hand, before any of it is summed;
 and
 - scrape: `ProcfsCollector.collect()` with `--match hostpool.<tag>`: the exporter's whole
   scrape (every process on the host is looked at, as in production);
@@ -32,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import secrets
 import statistics
@@ -56,7 +53,7 @@ RESULTS = RESULTS_DIR / "exporter_scale.json"
 WALL_TARGET_S = 2.0
 RATIO_TARGET = 1.5
 UNPRIVILEGED = 65534
-BASELINES = ("bare", "bare_stat", "floor")
+BASELINES = ("bare", "bare_stat")
 
 
 @contextmanager
@@ -130,22 +127,13 @@ def bare(pids: list[int]) -> int:
     return links
 
 
-# a maps line with a path, split into its fields (start, end, offset, dev, inode, path)
-MAPS_LINE = re.compile(
-    rb"^([0-9a-f]+)-([0-9a-f]+) [^ \n]+ ([0-9a-f]+) ([0-9a-f]+:[0-9a-f]+) (\d+) +([^\n]+)",
-    re.MULTILINE,
-)
-
-
-def bare_stat(pids: list[int], *, split_maps: bool = False) -> int:
-    """Read maps (split into fields with `split_maps`), list fd, stat every fd: the
-    identity and pages of the object each fd refers to."""
+def bare_stat(pids: list[int]) -> int:
+    """Read maps, list fd, stat every fd: the identity and pages of the object each fd
+    refers to."""
     stats = 0
     for pid in pids:
         with open(f"/proc/{pid}/maps", "rb") as f:
-            data = f.read()
-        if split_maps:
-            MAPS_LINE.findall(data)
+            f.read()
         fd_dir = f"/proc/{pid}/fd"
         dir_fd = os.open(fd_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -202,7 +190,7 @@ def run_case(
         collector = ProcfsCollector(match=(prefix,), max_pools=32)
         expected_fds = processes * objects * (2 if keep_fd else 1)
         links = bare(pids)  # warm every side once (dentries, parsed names)
-        stats = bare_stat(pids, split_maps=True)
+        stats = bare_stat(pids)
         families = {f.name: f for f in collector.collect()}
         fds = sum(s.value for s in families["hostpool_exporter_open_fds"].samples)
         if fds != expected_fds or min(links, stats) < expected_fds:
@@ -212,7 +200,6 @@ def run_case(
         sides: dict[str, Callable[[], object]] = {
             "bare": lambda: bare(pids),
             "bare_stat": lambda: bare_stat(pids),
-            "floor": lambda: bare_stat(pids, split_maps=True),
             "scrape": collector.collect,
         }
         names = list(sides)
@@ -249,7 +236,6 @@ def run_case(
         "samples": samples,
         "ratios": ratios["bare"],
         "ratios_stat": ratios["bare_stat"],
-        "ratios_floor": ratios["floor"],
         "http": http,
         "other_cpus": others["other_cpus"],
         "median": median,
@@ -273,10 +259,9 @@ def main() -> int:
         print(
             f"{name}: scrape {m['scrape_wall_s']:.2f} s wall / {m['scrape_cpu_s']:.2f} s cpu, "
             f"bare {m['bare_wall_s']:.2f} / {m['bare_cpu_s']:.2f}, "
-            f"bare_stat {m['bare_stat_wall_s']:.2f} / {m['bare_stat_cpu_s']:.2f}, "
-            f"floor {m['floor_wall_s']:.2f} / {m['floor_cpu_s']:.2f}; ratio (cpu) to bare "
-            f"{m['ratio_cpu']:.2f}, to bare_stat {m['ratio_stat_cpu']:.2f}, to floor "
-            f"{m['ratio_floor_cpu']:.2f}; http {m['http_wall_s']:.2f} s, "
+            f"bare_stat {m['bare_stat_wall_s']:.2f} / {m['bare_stat_cpu_s']:.2f}; ratio (cpu) "
+            f"to bare {m['ratio_cpu']:.2f}, to bare_stat {m['ratio_stat_cpu']:.2f}; "
+            f"http {m['http_wall_s']:.2f} s, "
             f"other cpus {cases[name]['other_cpus']:.2f}",
             file=sys.stderr,
         )
