@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from hostpool.net.guard import Throttle
-from hostpool.net.listener import WSGIApp
+from hostpool.net.wsgi import WSGIApp
 
 REALM = "hostpool"
 CACHE_TTL = 60.0  # seconds a successful check is remembered

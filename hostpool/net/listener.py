@@ -35,6 +35,7 @@ from waitress.server import TcpWSGIServer
 
 from hostpool.base import events
 from hostpool.errors import ConfigError, UnavailableError
+from hostpool.net.basicauth import BasicAuth
 from hostpool.net.channel import Channel, TLSChannel
 from hostpool.net.guard import (
     FD_SHORTAGE,
@@ -45,9 +46,7 @@ from hostpool.net.guard import (
     past_deadline,
 )
 from hostpool.net.webconfig import WebConfig
-
-# environ, start_response -> body chunks
-WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+from hostpool.net.wsgi import WSGIApp
 
 DEFAULT_CONNECTION_LIMIT = 512
 REQUEST_TIMEOUT = 5.0
@@ -275,8 +274,6 @@ class Listener:
 
         web = self.web_config
         if web is not None and web.users:
-            from hostpool.net.basicauth import BasicAuth
-
             app = BasicAuth(web.users, app)
 
         def logged(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hostpool.net.listener import WSGIApp
+from hostpool.net.wsgi import WSGIApp
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from hostpool.metrics.collector import register_metrics
-from hostpool.net.listener import WSGIApp
 from hostpool.net.routes import Route, routed_app, send
+from hostpool.net.wsgi import WSGIApp
 from hostpool.serve.progress_metrics import PopulateCollector, PopulateState
 
 del GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR  # the global ones stay untouched
