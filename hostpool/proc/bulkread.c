@@ -334,6 +334,56 @@ add_sums(PyObject *totals, PyObject *pool, const unsigned long long add[4])
     return rc;
 }
 
+/* visit(key, row, out) for each row of the dict argument; `out` returned, or NULL */
+static PyObject *
+each_row(PyObject *args, const char *format, PyObject *out,
+         int (*visit)(PyObject *key, PyObject *row, PyObject *out))
+{
+    PyObject *rows, *key, *row;
+    Py_ssize_t pos = 0;
+
+    if (out == NULL || !PyArg_ParseTuple(args, format, &PyDict_Type, &rows)) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    while (PyDict_Next(rows, &pos, &key, &row)) {
+        if (row_check(row) < 0 || visit(key, row, out) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+/* One row added to the sums of its pool. */
+static int
+add_row(PyObject *Py_UNUSED(key), PyObject *row, PyObject *totals)
+{
+    PyObject *match = PyList_GET_ITEM(row, ROW_MATCH), *allocated, *smaps;
+    unsigned long long add[4], mapped;
+
+    if (match == Py_None)
+        return 0;
+    if (!PyTuple_Check(match) || PyTuple_GET_SIZE(match) < 3) {
+        PyErr_SetString(PyExc_TypeError, "a match is (kind, name, pool key)");
+        return -1;
+    }
+    add[0] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(row, ROW_FDS));
+    add[1] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(row, ROW_MAPPINGS));
+    add[2] = mapped = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(row, ROW_MAPPED));
+    allocated = PyList_GET_ITEM(row, ROW_ALLOCATED);
+    smaps = PyList_GET_ITEM(row, ROW_SMAPS);
+    if (allocated != Py_None) {
+        add[3] = PyLong_AsUnsignedLongLong(allocated);
+        add[3] = add[3] < mapped ? add[3] : mapped;
+    } else {
+        add[3] = smaps == Py_None ? 0 : PyLong_AsUnsignedLongLong(smaps);
+    }
+    if (PyErr_Occurred())
+        return -1;
+    return add_sums(totals, PyTuple_GET_ITEM(match, 2), add);
+}
+
 PyDoc_STRVAR(pool_totals_doc,
 "pool_totals(rows, /)\n--\n\n"
 "The rows of one process summed per pool key (the third item of each row's match; rows\n"
@@ -344,45 +394,24 @@ PyDoc_STRVAR(pool_totals_doc,
 static PyObject *
 pool_totals(PyObject *Py_UNUSED(module), PyObject *args)
 {
-    PyObject *rows, *key, *row, *totals;
-    Py_ssize_t pos = 0;
+    return each_row(args, "O!:pool_totals", PyDict_New(), add_row);
+}
 
-    if (!PyArg_ParseTuple(args, "O!:pool_totals", &PyDict_Type, &rows))
-        return NULL;
-    totals = PyDict_New();
-    if (totals == NULL)
-        return NULL;
-    while (PyDict_Next(rows, &pos, &key, &row)) {
-        PyObject *match, *pool, *allocated, *smaps;
-        unsigned long long add[4], mapped;
-        if (row_check(row) < 0)
-            goto fail;
-        match = PyList_GET_ITEM(row, ROW_MATCH);
-        if (match == Py_None)
-            continue;
-        if (!PyTuple_Check(match) || PyTuple_GET_SIZE(match) < 3) {
-            PyErr_SetString(PyExc_TypeError, "a match is (kind, name, pool key)");
-            goto fail;
-        }
-        pool = PyTuple_GET_ITEM(match, 2);
-        add[0] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(row, ROW_FDS));
-        add[1] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(row, ROW_MAPPINGS));
-        add[2] = mapped = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(row, ROW_MAPPED));
-        allocated = PyList_GET_ITEM(row, ROW_ALLOCATED);
-        smaps = PyList_GET_ITEM(row, ROW_SMAPS);
-        if (allocated != Py_None) {
-            add[3] = PyLong_AsUnsignedLongLong(allocated);
-            add[3] = add[3] < mapped ? add[3] : mapped;
-        } else {
-            add[3] = smaps == Py_None ? 0 : PyLong_AsUnsignedLongLong(smaps);
-        }
-        if (PyErr_Occurred() || add_sums(totals, pool, add) < 0)
-            goto fail;
-    }
-    return totals;
-fail:
-    Py_DECREF(totals);
-    return NULL;
+static int
+add_if_unmeasured(PyObject *key, PyObject *row, PyObject *keys)
+{
+    return PyList_GET_ITEM(row, ROW_ALLOCATED) == Py_None ? PyList_Append(keys, key) : 0;
+}
+
+PyDoc_STRVAR(unmeasured_doc,
+"unmeasured(rows, /)\n--\n\n"
+"The keys of the rows whose allocated bytes no fd gave (the objects a process maps\n"
+"without holding an fd for them).");
+
+static PyObject *
+unmeasured(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    return each_row(args, "O!:unmeasured", PyList_New(0), add_if_unmeasured);
 }
 
 /* ---- fds -------------------------------------------------------------------------- */
@@ -530,28 +559,6 @@ fail:
     PyMem_Free(got);
     Py_XDECREF(unmatched);
     return NULL;
-}
-
-PyDoc_STRVAR(unmeasured_doc,
-"unmeasured(rows, /)\n--\n\n"
-"The keys of the rows whose allocated bytes no fd gave (the objects a process maps\n"
-"without holding an fd for them).");
-
-static PyObject *
-unmeasured(PyObject *Py_UNUSED(module), PyObject *args)
-{
-    PyObject *rows, *key, *row, *keys;
-    Py_ssize_t pos = 0;
-
-    if (!PyArg_ParseTuple(args, "O!:unmeasured", &PyDict_Type, &rows))
-        return NULL;
-    keys = PyList_New(0);
-    while (keys != NULL && PyDict_Next(rows, &pos, &key, &row)) {
-        if (row_check(row) < 0 ||
-            (PyList_GET_ITEM(row, ROW_ALLOCATED) == Py_None && PyList_Append(keys, key) < 0))
-            Py_CLEAR(keys);
-    }
-    return keys;
 }
 
 static PyMethodDef methods[] = {

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 from hostpool.proc import bulkread
 from hostpool.proc.names import Kind, ShmName
@@ -182,6 +182,8 @@ def findings(objects: Iterable[ShmObject]) -> list[Finding]:
 
 # -- many processes ---------------------------------------------------------------------
 
+T = TypeVar("T")
+
 
 @dataclass
 class Scan:
@@ -191,23 +193,36 @@ class Scan:
     unreadable: int = 0  # processes whose /proc entries this user may not read
 
 
-def scan(prefixes: Sequence[str], *, usage: bool = True) -> Scan:
+def _each_process(
+    read: Callable[[int], T], unreadable: list[int], *, stop: Callable[[], bool] | None = None
+) -> Iterator[T]:
+    """`read(pid)` of every process but this one, in pid order, until `stop()` (asked
+    before each): processes gone meanwhile are skipped, those this user may not read are
+    appended to `unreadable`."""
     import psutil  # lazy: only the exporter and inspect pay for it
 
-    result = Scan()
     me = os.getpid()
     for pid in psutil.pids():
         if pid == me:
             continue
+        if stop is not None and stop():
+            return
         try:
-            process = read_process(pid, prefixes, usage=usage)
+            value = read(pid)
         except ProcessNotFoundError:
             continue
         except ProcessAccessError:
-            result.unreadable += 1
+            unreadable.append(pid)
             continue
+        yield value
+
+
+def scan(prefixes: Sequence[str], *, usage: bool = True) -> Scan:
+    result, unreadable = Scan(), list[int]()
+    for process in _each_process(lambda pid: read_process(pid, prefixes, usage=usage), unreadable):
         if process.fds or process.mappings:
             result.processes.append(process)
+    result.unreadable = len(unreadable)
     return result
 
 
@@ -270,31 +285,23 @@ def scan_totals(matcher: Matcher, *, deadline: float | None = None) -> TotalsSca
     (time.monotonic()): what was read by then is returned, with `truncated` set. Objects
     a process maps without an fd for them get their pages once every process was read
     (`fill_residency`): those another process's fd measured, whichever was read first."""
-    import psutil  # lazy: only the exporter and inspect pay for it
-
-    result = TotalsScan()
-    me = os.getpid()
+    result, unreadable = TotalsScan(), list[int]()
     read: list[Holdings] = []
-    for pid in psutil.pids():
-        if pid == me:
-            continue
-        if deadline is not None and time.monotonic() > deadline:
-            result.truncated = True
-            break
-        try:
-            holdings = read_holdings(pid, matcher, deadline=deadline)
-        except ProcessNotFoundError:
-            continue
-        except ProcessAccessError:
-            result.unreadable += 1
-            if len(result.unreadable_pids) < UNREADABLE_PIDS_KEPT:
-                result.unreadable_pids.append(pid)
-            continue
+
+    def past_deadline() -> bool:
+        result.truncated = deadline is not None and time.monotonic() > deadline
+        return result.truncated
+
+    def holdings_of(pid: int) -> Holdings:
+        return read_holdings(pid, matcher, deadline=deadline)
+
+    for holdings in _each_process(holdings_of, unreadable, stop=past_deadline):
         if holdings.rows or holdings.unmapped_fds:
             read.append(holdings)
         if not holdings.complete:
             result.truncated = True
             break
+    result.unreadable, result.unreadable_pids = len(unreadable), unreadable[:UNREADABLE_PIDS_KEPT]
     pages = _measured_pages(read) if any(bulkread.unmeasured(h.rows) for h in read) else {}
     for holdings in read:
         # past the budget, no smaps reads: what the scan measured, marked partial
