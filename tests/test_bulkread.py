@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hostpool.proc import bulkread, procfs, scan
+from hostpool.proc import bulkread, procfs
 from hostpool.proc.scan import ROW_ALLOCATED, ROW_FDS, ROW_MAPPED, ROW_MAPPINGS, ROW_MATCH, ROW_PATH
 from tests import helpers
 
@@ -233,7 +233,7 @@ def memfd() -> Iterator[Memfd]:
     os.ftruncate(fd, 8 * PAGE)
     os.pwrite(fd, b"x" * (5 * PAGE), 0)
     st_ = os.fstat(fd)
-    yield name.encode(), fd, scan.identity_of(st_.st_dev, st_.st_ino)
+    yield name.encode(), fd, (st_.st_ino, os.major(st_.st_dev), os.minor(st_.st_dev))
     os.close(fd)
 
 

@@ -342,10 +342,11 @@ def test_resident_bytes_are_the_pages_the_object_holds(memfd: tuple[str, int]) -
     with mmap.mmap(fd, 4 * PAGE) as mm:  # maps 4 of the object's 7 written pages
         matcher = scan.Matcher((name,))
         holdings = scan.read_holdings("self", matcher)
-        (obj,) = holdings.objects.values()
+        (row,) = holdings.rows.values()
         st = os.fstat(fd)
-        assert obj.allocated_bytes == st.st_blocks * 512 == 7 * PAGE
-        assert obj.resident_bytes == 4 * PAGE
+        assert row[scan.ROW_ALLOCATED] == st.st_blocks * 512 == 7 * PAGE
+        (totals,) = procgroup.holdings_totals(holdings).values()
+        assert totals.resident_bytes == 4 * PAGE
         (m,) = [m for m in procfs.shm_mappings("self", (name,), usage=True)]
         assert m.usage is not None and m.usage.rss == 0  # what smaps would have said
         mm[0] = 1  # does not change the object's page count
@@ -360,10 +361,10 @@ def test_hugetlb_objects_are_resident_in_whole_pages(hugepages_2m: int) -> None:
         with mmap.mmap(fd, size) as mm:
             mm[0] = 1
             holdings = scan.read_holdings("self", scan.Matcher((name,)))
-            (obj,) = holdings.objects.values()
+            (totals,) = procgroup.holdings_totals(holdings).values()
             (m,) = [m for m in procfs.shm_mappings("self", (name,), usage=True)]
             assert m.usage is not None
-            assert obj.resident_bytes == m.usage.resident_bytes == size
+            assert totals.resident_bytes == m.usage.resident_bytes == size
     finally:
         os.close(fd)
 
@@ -431,7 +432,7 @@ def test_a_deadline_cuts_the_reading_short(holder: tuple[str, subprocess.Popen[s
 
     holdings = scan.read_holdings(proc.pid, matcher, deadline=time.monotonic() - 1)
     assert not holdings.complete
-    assert holdings.objects  # maps was read before the deadline was looked at
+    assert holdings.rows  # maps was read before the deadline was looked at
     result = procgroup.scan_totals(matcher, deadline=time.monotonic() - 1)
     assert (result.truncated, result.processes) == (True, [])
     result = procgroup.scan_totals(matcher)
@@ -497,9 +498,9 @@ def test_a_maps_line_names_the_object_as_its_fds_do(memfd: tuple[str, int]) -> N
     with mmap.mmap(fd, PAGE):
         holdings = scan.read_holdings("self", scan.Matcher((name,)))
         st = os.fstat(fd)
-        assert list(holdings.objects) == [scan.identity_of(st.st_dev, st.st_ino)]
-        (obj,) = holdings.objects.values()
-        assert obj.fds == 2  # the fixture's fd and mmap's dup
+        assert list(holdings.rows) == [(st.st_ino, os.major(st.st_dev), os.minor(st.st_dev))]
+        (row,) = holdings.rows.values()
+        assert row[scan.ROW_FDS] == 2  # the fixture's fd and mmap's dup
 
 
 NAMESAKE_HOLDER = """

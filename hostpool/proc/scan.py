@@ -48,11 +48,6 @@ _UNKNOWN: Final[Any] = object()
 _MAPS_LINE: Final = rb"^([0-9a-f]+)-([0-9a-f]+) [^ \n]+ ([0-9a-f]+) ([0-9a-f]+:[0-9a-f]+) (\d+) +"
 
 
-def identity_of(dev: int, ino: int) -> Identity:
-    """The identity of an object with this st_dev and st_ino (as maps and statx key it)."""
-    return ino, os.major(dev), os.minor(dev)
-
-
 class Matcher:
     """What each path met in maps or an fd link says: the kind, parsed name and pool of a
     shm object that names one of `prefixes`, or None.
@@ -127,35 +122,6 @@ class Matcher:
 
 
 @dataclass(frozen=True, slots=True)
-class HeldObject:
-    """One mapped shm object as one process holds it (summed, no per-VMA detail): a
-    snapshot of its row."""
-
-    kind: Kind
-    name: ShmName
-    path: bytes  # as maps shows it: the same text as an fd's link to the object
-    mappings: int  # logical mappings (the VMAs one mmap was split into count once)
-    mapped_bytes: int
-    fds: int
-    allocated_bytes: int | None  # st_blocks * 512 through one of its fds; None: none yet
-    smaps_resident: int | None  # Rss + hugetlb of its VMAs, read only when no fd measured it
-
-    @classmethod
-    def of(cls, row: Row) -> HeldObject:
-        kind, name, _pool = row[ROW_MATCH]
-        return cls(kind, name, *row[ROW_PATH:ROW_MATCH], *row[ROW_MAPPINGS:])
-
-    @property
-    def resident_bytes(self) -> int:
-        """Pages the object holds (swapped-out shmem pages included), at most the bytes
-        mapped here; for an object no fd measured, the Rss and hugetlb pages of its
-        mappings here (the figure bulkread.pool_totals sums)."""
-        if self.allocated_bytes is not None:
-            return min(self.allocated_bytes, self.mapped_bytes)
-        return self.smaps_resident or 0
-
-
-@dataclass(frozen=True, slots=True)
 class Holdings:
     """What one process holds of the matched objects, for per-pool totals."""
 
@@ -163,11 +129,6 @@ class Holdings:
     rows: dict[Key, Row]  # the matched mapped objects, with the fds that refer to them
     unmapped_fds: dict[bytes, tuple[ShmName, int]]  # the other matched fds, by link
     complete: bool  # False when the deadline stopped the reading part way
-
-    @property
-    def objects(self) -> dict[Key, HeldObject]:
-        """The matched mapped objects, each as a HeldObject (for readers)."""
-        return {key: HeldObject.of(row) for key, row in self.rows.items()}
 
 
 FdStrategy = Literal["auto", "stat", "link"]
