@@ -22,6 +22,12 @@ pages SIGBUSes the owner. So:
 
 Root and the server's own uid bypass file modes, so for them read-only is a promise the
 peer keeps, not a wall: they could reach the memory through /proc/PID/fd anyway.
+
+The other way round, a peer must not be hurt by this server: `attach()` takes fds from a
+server of another uid (not root) only sealed against hole punching, since a punched page
+the peer touches again is allocated anew and charged to the peer's cgroup. Non-hugetlb
+regions are sealed F_SEAL_SEAL at creation without that seal (it would refuse every
+writable share), so such peers attach them with `allow_unsealed=True`, accepting it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ misbehaving or squatting server can SIGBUS or OOM-kill them. Here the server's u
 checked first (SO_PEERCRED), and every fd before anything is mapped: its size must cover
 the manifest, the total must fit `max_bytes` (or the budget), a memfd must carry
 SHRINK|GROW seals (unsealed /dev/shm fallback pools only with `allow_unsealed=True`), and
-a hugetlb fd must come from a trusted server or be sealed against hole punching.
+an fd from a server of another uid (not this one, not root) must be sealed against hole
+punching: such a server could otherwise punch holes after the attach, and this process
+would fault fresh pages charged to its own cgroup (or SIGBUS, for hugetlb pages).
 """
 
 from __future__ import annotations
@@ -116,10 +118,13 @@ def attach(
     - each fd covers its manifest size and is sealed against shrinking and growing
       (unsealed /dev/shm files only with `allow_unsealed=True`); a writable mapping needs
       a writable fd not sealed against writing;
-    - a hugetlb fd is accepted only from a server this process trusts: one running as
-      this uid or root (which could kill this process anyway), or one whose fd is sealed
-      against hole punching (F_SEAL_WRITE or F_SEAL_FUTURE_WRITE). Otherwise its owner
-      could punch a hole and take the hugepages, and this process would SIGBUS.
+    - an fd from a server running as another uid than this one or root (those could kill
+      this process anyway) must be sealed against hole punching (F_SEAL_WRITE or
+      F_SEAL_FUTURE_WRITE), so such a server's shares are read-only. Otherwise, after the
+      attach, its owner could punch holes: this process's next touch of a punched page
+      allocates a fresh one charged to this process's cgroup (an OOM kill the attach-time
+      budget check cannot foresee), or, for hugetlb pages, SIGBUSes. `allow_unsealed=True`
+      accepts that risk for memfds (a hugetlb fd from such a server is refused anyway).
 
     Raises InvalidRequestError for bad arguments, and ShareError (hostpool.errors) for
     everything else: nothing listening at `path`, refused, untrusted, too large, unsafe,
@@ -309,13 +314,23 @@ class _Plan:
                 "to accept that"
             )
         huge = access.is_hugetlb(fd)
-        if huge and not seals & access.PUNCH_SEALS and server_uid not in (os.geteuid(), 0):
+        punchable = not seals & access.PUNCH_SEALS and server_uid not in (os.geteuid(), 0)
+        if punchable and huge:
             raise ShareError(
                 f"region {name} is a hugetlb memfd from a server running as uid {server_uid}, "
                 f"not sealed against hole punching (seals {seals:#x}): its owner could punch "
                 "a hole and take the hugepages, and this process would SIGBUS; hugetlb fds "
                 "are accepted from servers of this uid or root, or sealed with "
                 "F_SEAL_FUTURE_WRITE"
+            )
+        if punchable and not allow_unsealed:
+            raise ShareError(
+                f"region {name} comes from a server running as uid {server_uid} and is not "
+                f"sealed against hole punching (seals {seals:#x}): after the attach its owner "
+                "could punch holes, and every page this process then touched would be "
+                "allocated anew and charged to this process's cgroup; memfds of another "
+                "uid's server are accepted sealed with F_SEAL_FUTURE_WRITE (read-only), or "
+                "with allow_unsealed=True"
             )
         if writable:
             if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:

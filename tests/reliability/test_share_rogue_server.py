@@ -66,8 +66,11 @@ def untouched() -> Iterator[None]:
 @pytest.mark.usefixtures("untouched")
 def test_a_server_of_another_uid_is_refused(public_dir: str) -> None:
     path = os.path.join(dir_of(NOBODY, public_dir), "squat.sock")
-    rogue = RogueServer(
-        path, rogue_head([_region(MiB)]), lambda: [rogue_memfd(MiB, fill=True)], uid=NOBODY
+    rogue = RogueServer(  # sealed against punching: another uid's fds must be (issue 36.5)
+        path,
+        rogue_head([_region(MiB)]),
+        lambda: [rogue_memfd(MiB, seals=SEALED | F_SEAL_FUTURE_WRITE, fill=True)],
+        uid=NOBODY,
     )
     try:
         with pytest.raises(ShareError, match=f"runs as uid {NOBODY}.*server_uids"):
