@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hostpool.words import FAILURE_REASONS, FailureReason
+
 
 class HostPoolError(Exception):
     """Base of every error hostpool raises on purpose."""
@@ -17,9 +19,7 @@ class ConfigError(HostPoolError, ValueError):
     """A configuration (server args, extra config, TOML/YAML/JSON file) that is malformed."""
 
 
-# The fixed set of `reason` values (the `reason` label of
-# hostpool_allocation_failures_total); documented in metrics/README.md.
-FAILURE_REASONS = ("budget", "hugepages", "no_memory", "no_space", "fd_limit", "invalid", "other")
+__all__ = ["FAILURE_REASONS", "FailureReason"]  # re-exported: the public home of the reasons
 
 
 class AllocationError(HostPoolError, MemoryError):
@@ -38,14 +38,14 @@ class AllocationError(HostPoolError, MemoryError):
         self,
         message: str,
         *,
-        reason: str = "other",
+        reason: FailureReason = "other",
         pool: str | None = None,
         need_bytes: int | None = None,
         available_bytes: int | None = None,
         limit_bytes: int | None = None,
     ) -> None:
         super().__init__(message)
-        self.reason = reason if reason in FAILURE_REASONS else "other"
+        self.reason: FailureReason = reason if reason in FAILURE_REASONS else "other"
         self.pool = pool
         self.need_bytes = need_bytes
         self.available_bytes = available_bytes
@@ -56,7 +56,9 @@ class HugepageUnavailableError(AllocationError):
     """`hugepages="required"` and the hugepage pool cannot hold the request; the figures
     as for AllocationError (`available_bytes`: free hugepages of the size, in bytes)."""
 
-    def __init__(self, message: str, *, reason: str = "hugepages", **figures: Any) -> None:
+    def __init__(
+        self, message: str, *, reason: FailureReason = "hugepages", **figures: Any
+    ) -> None:
         super().__init__(message, reason=reason, **figures)
 
 

@@ -136,11 +136,11 @@ def test_bad_requests_raise_typed_errors_and_leak_nothing(
     dims: object, dtype: object, device: object, error: type[Exception], no_leaked_fds: None
 ) -> None:
     alloc = ShmHostTensorAllocator("bad")
-    before = get_ledger().counters()["failures_total"].get(("bad", "invalid"), 0)
+    before = get_ledger().counters().failures_total.get(("bad", "invalid"), 0)
     with pytest.raises(error):
         alloc.allocate(dims, dtype, device)  # type: ignore[arg-type]
     assert alloc.regions == []
-    assert get_ledger().counters()["failures_total"][("bad", "invalid")] == before + 1
+    assert get_ledger().counters().failures_total[("bad", "invalid")] == before + 1
 
 
 BAD_OPTIONS = [
@@ -318,14 +318,14 @@ def test_alloc_shm_mm_close_is_an_explicit_release(no_leaked_fds: None) -> None:
     from hostpool import alloc_shm
 
     ledger = get_ledger()
-    before = ledger.counters()["releases_total"].get(("mmclose", "explicit"), 0)
+    before = ledger.counters().releases_total.get(("mmclose", "explicit"), 0)
     tensor, fd, mm = alloc_shm((1024,), torch.uint8, pool="mmclose")
     address = tensor.data_ptr()
     del tensor
     mm.close()  # no view left: unmapped now, and hostpool's own fd with it
     assert not helpers.range_mapped(address, 4096)
     assert ledger.snapshot(["mmclose"]) == []
-    assert ledger.counters()["releases_total"][("mmclose", "explicit")] == before + 1
+    assert ledger.counters().releases_total[("mmclose", "explicit")] == before + 1
     assert list(helpers.fd_links("hostpool.mmclose.")) == [fd]  # only the caller's dup
     os.close(fd)
     del mm
@@ -350,9 +350,7 @@ def test_retaining_shm_allocator_keeps_fds_for_its_life(no_leaked_fds: None) -> 
     ledger = get_ledger()
     ledger.drain()
     releases = {
-        how: n
-        for (pool, how), n in ledger.counters()["releases_total"].items()
-        if pool == "retained"
+        how: n for (pool, how), n in ledger.counters().releases_total.items() if pool == "retained"
     }
     assert releases == {"explicit": 2}  # a healthy close is never the leak signal
     assert helpers.maps_lines("hostpool.retained.") == []
@@ -379,9 +377,7 @@ def test_retaining_allocator_releases_a_region_through_any_view(no_leaked_fds: N
 def _releases(pool: str) -> dict[str, int]:
     ledger = get_ledger()
     ledger.drain()
-    return {
-        how: n for (p, how), n in ledger.counters()["releases_total"].items() if p == pool and n
-    }
+    return {how: n for (p, how), n in ledger.counters().releases_total.items() if p == pool and n}
 
 
 def test_alloc_shm_used_by_contract_is_never_the_leak_signal(no_leaked_fds: None) -> None:

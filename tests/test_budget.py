@@ -253,7 +253,7 @@ def test_a_hugepage_fallback_is_admitted_like_any_request(hugepages_2m: int) -> 
                 print("page", a.regions[0].page_size, a.regions[0].hugepage_fallbacks)
                 a.close()
                 del t
-            print("fallbacks", get_ledger().counters()["fallbacks_total"])
+            print("fallbacks", get_ledger().counters().fallbacks_total)
             """,
             cwd=ROOT,
         )
@@ -357,7 +357,7 @@ def test_no_free_fds_is_fd_limit_counted_never_a_raw_oserror() -> None:
                 print(what, e.reason)
         for fd in fillers:
             os.close(fd)
-        print("counted", get_ledger().counters()["failures_total"].get(("nofds", "fd_limit"), 0))
+        print("counted", get_ledger().counters().failures_total.get(("nofds", "fd_limit"), 0))
         """,
         cwd=ROOT,
     )

@@ -37,12 +37,12 @@ def test_dropping_tensors_inside_a_manager_frees_the_mapping() -> None:
         kv = manager.allocator("kvdrop")
         t = kv.allocate((1 << 20,), torch.uint8)
         region = kv.regions[0]
-        before = ledger.counters()["releases_total"].get(("kvdrop", "tensor"), 0)
+        before = ledger.counters().releases_total.get(("kvdrop", "tensor"), 0)
         del t
         gc.collect()
         assert not helpers.range_mapped(region.address, region.mapped_bytes)
         assert manager.snapshot() == []
-        counters = ledger.counters()["releases_total"]
+        counters = ledger.counters().releases_total
         # The tensor owned it (the allocator retains nothing): its normal end, no leak.
         assert counters[("kvdrop", "tensor")] == before + 1
         assert counters.get(("kvdrop", "finalizer"), 0) == 0
@@ -94,7 +94,7 @@ def test_forked_child_neither_releases_nor_counts_parent_regions() -> None:
             del child_t
             gc.collect()
             child = get_ledger()
-            ok = child.snapshot() == [] and child.counters()["releases_total"] == {}
+            ok = child.snapshot() == [] and child.counters().releases_total == {}
             os.write(w, b"1" if ok else b"0")
         finally:
             os._exit(0)
@@ -105,7 +105,7 @@ def test_forked_child_neither_releases_nor_counts_parent_regions() -> None:
     (record,) = [x for x in ledger.snapshot() if x.pool == "forked"]
     assert record.state == "live"
     assert os.fstat(alloc.fd).st_size == 1 << 16  # the parent's fd is untouched
-    assert ledger.counters()["releases_total"] == counters_before["releases_total"]
+    assert ledger.counters().releases_total == counters_before.releases_total
     alloc.close()
     del t
 
@@ -114,7 +114,7 @@ def test_forked_child_neither_releases_nor_counts_parent_regions() -> None:
 
 
 def _counter(key: str, pool: str) -> int:
-    counts: dict[Any, int] = get_ledger().counters().get(key, {})
+    counts: dict[Any, int] = getattr(get_ledger().counters(), key)
     return counts.get(pool, 0)
 
 
@@ -234,7 +234,7 @@ def test_children_forked_while_threads_allocate_can_allocate(
 def test_a_manager_dropped_without_close_is_collected_and_reported() -> None:
     ledger = get_ledger()
     budgets = len(admissions(ledger))
-    finalized = ledger.counters()["releases_total"].get(("dropped", "finalizer"), 0)
+    finalized = ledger.counters().releases_total.get(("dropped", "finalizer"), 0)
     manager = HostPoolManager(budget=64 * MiB)
     alloc = manager.allocator("dropped")
     t = alloc.allocate((MiB,), torch.uint8)
@@ -247,7 +247,7 @@ def test_a_manager_dropped_without_close_is_collected_and_reported() -> None:
         ledger.drain()
     (record,) = [r for r in ledger.snapshot() if r.pool == "dropped"]
     assert record.state == "released_mapped"  # released; t still maps it
-    counted = ledger.counters()["releases_total"][("dropped", "finalizer")]
+    counted = ledger.counters().releases_total[("dropped", "finalizer")]
     assert counted == finalized + 1
     (leak,) = [e for e in logs if e["event"] == "hostpool.leak"]
     assert leak["pool"] == "dropped" and leak["bytes"] == MiB
@@ -334,9 +334,9 @@ def test_close_while_an_allocation_is_in_flight_leaves_nothing_live(
     assert helpers.fd_links("hostpool.close_race.") == {}
     assert helpers.maps_lines("hostpool.close_race.") == []
     key = ("close_race", "invalid")
-    assert after["failures_total"].get(key, 0) == before["failures_total"].get(key, 0) + 1
+    assert after.failures_total.get(key, 0) == before.failures_total.get(key, 0) + 1
     # Never recorded, so never released either way: no count of any kind moved.
     for how in ("explicit", "tensor", "finalizer"):
-        assert after["releases_total"].get(("close_race", how), 0) == 0
-    assert after["allocations_total"].get(("close_race", "shm"), 0) == 0
+        assert after.releases_total.get(("close_race", how), 0) == 0
+    assert after.allocations_total.get(("close_race", "shm"), 0) == 0
     assert manager.budget_reserved_bytes == 0

@@ -111,7 +111,7 @@ def _allocate(pool: str, kind: str) -> tuple[HostPoolManager, torch.Tensor, Regi
 
 
 def _releases(pool: str) -> dict[str, int]:
-    counts = get_ledger().counters()["releases_total"]
+    counts = get_ledger().counters().releases_total
     return {how: counts.get((pool, how), 0) for how in ("explicit", "tensor", "finalizer")}
 
 

@@ -25,8 +25,9 @@ from hostpool.errors import AllocationError, ConfigError, HostPoolError, Invalid
 from hostpool.memory.create import backend_of, create_region, plan_fallback
 from hostpool.memory.holders import tensor_over
 from hostpool.memory.hugepages import HugepagePlan, plan_hugepages
-from hostpool.memory.options import Kind, RegionOptions, validate_pool_name
+from hostpool.memory.options import RegionOptions, validate_pool_name
 from hostpool.memory.region import Region
+from hostpool.words import AllocatorKind
 
 _allocator_ids = itertools.count(1)
 _process_admissions: weakref.WeakKeyDictionary[Ledger, Admission] = weakref.WeakKeyDictionary()
@@ -54,7 +55,7 @@ class HostTensorAllocator:
     end as `finalizer` releases, the leak signal.
     """
 
-    kind: ClassVar[Kind]
+    kind: ClassVar[AllocatorKind]
     registered_name: ClassVar[str]
 
     def __init__(

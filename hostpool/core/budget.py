@@ -27,6 +27,7 @@ from hostpool.base.units import format_size
 from hostpool.errors import AllocationError, InvalidRequestError
 from hostpool.memory import cgroup, kernel
 from hostpool.memory.failures import failure_from_oserror
+from hostpool.words import FailureReason
 
 # The `limit` label of hostpool_budget_bytes: every limit that can bind.
 LIMITS = ("configured", "memavailable", "cgroup", "host", "hugetlb")
@@ -69,7 +70,7 @@ def _b(n: int) -> str:
     return f"{n} bytes ({format_size(n)})"
 
 
-def _refusal(message: str, figures: tuple[str, int, int, int | None]) -> AllocationError:
+def _refusal(message: str, figures: tuple[FailureReason, int, int, int | None]) -> AllocationError:
     """The AllocationError of a refused admission: `figures` is (reason, bytes needed,
     bytes the refusing limit has left, that limit or None); what is left is never below 0."""
     reason, need, available, limit = figures
@@ -154,7 +155,7 @@ class Admission:
         held_bytes: Callable[[], int],
         *,
         headroom: int | None = None,
-        kernel_reason: str = "budget",
+        kernel_reason: FailureReason = "budget",
     ) -> None:
         self.policy = policy
         self._held_bytes = held_bytes

@@ -2,19 +2,12 @@
 
 Managers, allocators and `alloc_shm` all record here; managers are views of it.
 
-- A region is released exactly once: `explicit` (allocator/manager close, `release()`,
-  its holder's `mm.close()`); `tensor` (handed to its tensor by contract and collected
-  with it: the normal end); `finalizer` (an owner that should have released it was
-  collected first: the leak signal, and only that). Explicit release while views live
-  leaves it "released, still mapped" until the last view dies; its bytes stay visible.
-- Finalizers run inside cyclic GC, on any thread, possibly while this thread holds the
-  ledger lock. So they take no lock: they append `(generation, region_id)` to a deque,
-  and every ledger operation drains that queue under the lock.
-- Nothing slow runs under the lock: munmap and fd closes happen after it is let go; the
-  lock guards bookkeeping only (a scrape or an admission never waits for an unmap).
-- A manager collected without close() queues its allocators' ids the same way (its
-  finalizer holds no reference); its regions are then released (`finalizer`) and
-  reported as a leak.
+- A region is released exactly once, counted by `hostpool.words.ReleaseHow`. Explicit
+  release while views live leaves it "released, still mapped" until the last view dies.
+- Finalizers take no lock (core/notices): every ledger operation drains their queue.
+- Nothing slow runs under the lock: munmap and fd closes happen after it is let go.
+- A manager collected without close() queues its allocators' ids the same way; its
+  regions are then released (`finalizer`) and reported as a leak.
 - Fork: the child gets a fresh generation; queued or future finalizer notices of the
   parent's regions are ignored, and the child starts with an empty ledger.
 """
@@ -27,7 +20,6 @@ import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from hostpool.base.locks import ForkSafeLock
 from hostpool.core.ledger_events import emit_fd_reused, emit_leaks, emit_releases
@@ -35,11 +27,13 @@ from hostpool.core.notices import Gone, notify_dropped, notify_gone
 from hostpool.core.records import (
     AllocationRecord,
     DurationHistogram,
+    LedgerCounters,
     LedgerEntry,
     record_of,
     tracking_stacks_from_env,
 )
 from hostpool.memory.region import Region
+from hostpool.words import FailureReason, FallbackReason, RegionState, ReleaseHow
 
 # Births and deaths queued before the hot path settles them itself.
 _SETTLE_EVERY = 256
@@ -49,7 +43,7 @@ _SETTLE_EVERY = 256
 class _AfterUnlock:
     """Work a drain found that must not run under the lock: unmaps and events."""
 
-    finished: list[tuple[str, LedgerEntry]]
+    finished: list[tuple[ReleaseHow, LedgerEntry]]
     to_close: list[LedgerEntry]
     leaked: list[LedgerEntry]
     fd_reused: list[tuple[str, int, str | None]]
@@ -72,13 +66,14 @@ class Ledger:
         self.pid = os.getpid()
         self.known_pools: dict[str, None] = {}
         self.allocations_total: collections.Counter[tuple[str, str]] = collections.Counter()
-        self.releases_total: collections.Counter[tuple[str, str]] = collections.Counter()
-        self.failures_total: collections.Counter[tuple[str, str]] = collections.Counter()
-        self.fallbacks_total: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.releases_total: collections.Counter[tuple[str, ReleaseHow]] = collections.Counter()
+        self.failures_total: collections.Counter[tuple[str, FailureReason]] = collections.Counter()
+        self.fallbacks_total: collections.Counter[tuple[str, FallbackReason]]
+        self.fallbacks_total = collections.Counter()
         self.fd_reuse_skips: collections.Counter[str] = collections.Counter()
         self.durations: dict[str, DurationHistogram] = {}
         self.track_stacks = tracking_stacks_from_env()
-        self._finished: list[tuple[str, LedgerEntry]] = []
+        self._finished: list[tuple[ReleaseHow, LedgerEntry]] = []
         self._births: list[LedgerEntry] = []
         self._callback: Callable[..., None] | None = None
         # region id -> peers holding it through `share` (set by the share server).
@@ -200,7 +195,7 @@ class Ledger:
         if entry.pinned:
             self.live_pinned[r.pool] += sign * entry.pinned
 
-    def record_failure(self, pool: str, reason: str) -> None:
+    def record_failure(self, pool: str, reason: FailureReason) -> None:
         with self._locked():
             self.known_pools.setdefault(pool, None)
             self.failures_total[(pool, reason)] += 1
@@ -217,14 +212,16 @@ class Ledger:
         emit_releases([("explicit", entry)], gone)
         return gone
 
-    def _begin_release_locked(self, entry: LedgerEntry, how: str, *, announce: bool = True) -> None:
+    def _begin_release_locked(
+        self, entry: LedgerEntry, how: ReleaseHow, *, announce: bool = True
+    ) -> None:
         # Counted now, unmapped after the lock: until then the bytes show as still mapped.
         self._count_end(entry, how)
         entry.state = "released_mapped"
         if announce:
             self._finished.append((how, entry))
 
-    def _count_end(self, entry: LedgerEntry, how: str) -> None:
+    def _count_end(self, entry: LedgerEntry, how: ReleaseHow) -> None:
         self._count_live(entry, -1)
         self.releases_total[(entry.region.pool, how)] += 1
         self._tally_owner(entry, how)
@@ -277,7 +274,7 @@ class Ledger:
                     self._leaked.append(orphan)
         while True:
             try:
-                generation, region_id, how, reused_fd, still_mapped = self._gone.popleft()
+                generation, region_id, cause, reused_fd, still_mapped = self._gone.popleft()
             except IndexError:
                 return
             if generation != self._generation:
@@ -292,7 +289,7 @@ class Ledger:
                     self.fd_reuse_skips[entry.region.pool] += 1
                     self._fd_reused_events.append((entry.region.pool, reused_fd, entry.region.name))
                 if entry.state == "live":
-                    self._begin_release_locked(entry, how)
+                    self._begin_release_locked(entry, entry.ended_as(cause))
                 continue
             entry = self._entries.pop(region_id, None)
             if reused_fd is not None and entry is not None:
@@ -301,8 +298,7 @@ class Ledger:
             if entry is None:
                 continue
             if entry.state == "live":
-                if how == "finalizer":
-                    how = entry.collected_as  # collected: what that means is the owner's
+                how = entry.ended_as(cause)
                 self._count_end(entry, how)
                 self._finished.append((how, entry))
             if self._peers.get(region_id):
@@ -342,7 +338,9 @@ class Ledger:
                 return list(self._entries.values())
             return [e for e in self._entries.values() if e.owner == owner]
 
-    def regions(self, *, owner: int | None = None, state: str | None = "live") -> list[Region]:
+    def regions(
+        self, *, owner: int | None = None, state: RegionState | None = "live"
+    ) -> list[Region]:
         return [e.region for e in self.entries(owner=owner) if state is None or e.state == state]
 
     def snapshot(
@@ -356,22 +354,22 @@ class Ledger:
             if (wanted is None or e.region.pool in wanted) and (owners is None or e.owner in owners)
         ]
 
-    def counters(self) -> dict[str, Any]:
-        """A consistent copy of the lifetime counters (for the collector)."""
+    def counters(self) -> LedgerCounters:
+        """A consistent copy of the counters (for the collector)."""
         with self._locked():
-            return {
-                "live_bytes": dict(self.live_bytes),
-                "live_count": dict(self.live_count),
-                "live_modes": dict(self.live_modes),
-                "live_pinned": dict(self.live_pinned),
-                "allocations_total": dict(self.allocations_total),
-                "releases_total": dict(self.releases_total),
-                "failures_total": dict(self.failures_total),
-                "fallbacks_total": dict(self.fallbacks_total),
-                "fd_reuse_skips": dict(self.fd_reuse_skips),
-                "durations": {p: (list(h.counts), h.total) for p, h in self.durations.items()},
-                "known_pools": list(self.known_pools),
-            }
+            return LedgerCounters(
+                live_bytes=dict(self.live_bytes),
+                live_count=dict(self.live_count),
+                live_modes=dict(self.live_modes),
+                live_pinned=dict(self.live_pinned),
+                allocations_total=dict(self.allocations_total),
+                releases_total=dict(self.releases_total),
+                failures_total=dict(self.failures_total),
+                fallbacks_total=dict(self.fallbacks_total),
+                fd_reuse_skips=dict(self.fd_reuse_skips),
+                durations={p: (list(h.counts), h.total) for p, h in self.durations.items()},
+                known_pools=list(self.known_pools),
+            )
 
     def _after_fork_in_child(self) -> None:
         # The child owns none of the parent's regions: it must not release or count

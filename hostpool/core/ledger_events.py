@@ -13,6 +13,7 @@ import logging
 
 from hostpool.base import events
 from hostpool.core.records import LedgerEntry
+from hostpool.words import ReleaseHow
 
 
 def emit_fd_reused(pool: str, fd: int, name: str | None) -> None:
@@ -62,13 +63,13 @@ def emit_leaks(leaked: list[LedgerEntry]) -> None:
         )
 
 
-def release_level(how: str) -> int:
+def release_level(how: ReleaseHow) -> int:
     """The log level of `hostpool.release` for a release `how`: debug for `explicit` and
     `tensor` (the normal ends), warning for anything else (`finalizer`: the leak signal)."""
     return logging.DEBUG if how in ("explicit", "tensor") else logging.WARNING
 
 
-def emit_releases(finished: list[tuple[str, LedgerEntry]], gone: bool | None = None) -> None:
+def emit_releases(finished: list[tuple[ReleaseHow, LedgerEntry]], gone: bool | None = None) -> None:
     """`hostpool.release` for each (how, entry), at `release_level(how)`; `gone`: whether
     the mapping went now (None: ask each region)."""
     for how, entry in finished:

@@ -8,15 +8,17 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable
 
+from hostpool.words import EndCause
+
 # (generation, region id, how, reused fd, still mapped)
-Gone = tuple[int, int, str, int | None, bool]
+Gone = tuple[int, int, EndCause, int | None, bool]
 
 
 def notify_gone(
     queue: collections.deque[Gone],
     generation: int,
     rid: int,
-    how: str = "finalizer",
+    how: EndCause = "collected",
     reused_fd: int | None = None,
     still_mapped: bool = False,
 ) -> None:

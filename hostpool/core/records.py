@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hostpool.memory.region import Region
+from hostpool.words import EndCause, FailureReason, FallbackReason, RegionState, ReleaseHow
 
 # hostpool_allocation_duration_seconds buckets: 1 ms .. 10 min.
 DURATION_BUCKETS = (
@@ -28,14 +29,38 @@ class LedgerEntry:
     stack: str | None
     dims: tuple[int, ...] = ()
     dtype: str = "torch.uint8"
-    state: str = "live"
+    state: RegionState = "live"
     # Label tuples the collector builds once per region, not once per scrape.
     scrape_keys: tuple[Any, ...] | None = None
     pinned: int = 0  # bytes pinned at birth (the chunks list empties when unpinned)
     seconds: float = 0.0  # allocate + populate time
     # What its collection means: "tensor" when the region was handed to its tensor by
     # contract; "finalizer" (the leak signal) when an owner should have released it.
-    collected_as: str = "finalizer"
+    collected_as: ReleaseHow = "finalizer"
+
+    def ended_as(self, cause: EndCause) -> ReleaseHow:
+        """What an end the memory layer reported counts as: a collection is the owner's
+        to judge (`collected_as`)."""
+        return "explicit" if cause == "explicit" else self.collected_as
+
+
+@dataclass(frozen=True)
+class LedgerCounters:
+    """A consistent copy of the ledger's counters, taken under its lock (for the collector
+    and tests): live figures by label tuple, lifetime totals, the duration histograms as
+    (bucket counts, sum) per pool, and every pool the ledger has seen."""
+
+    live_bytes: dict[tuple[str, str, int], int]  # (pool, allocator, page size)
+    live_count: dict[tuple[str, str], int]  # (pool, allocator)
+    live_modes: dict[tuple[str, str], int]  # (pool, populate mode)
+    live_pinned: dict[str, int]
+    allocations_total: dict[tuple[str, str], int]  # (pool, allocator)
+    releases_total: dict[tuple[str, ReleaseHow], int]
+    failures_total: dict[tuple[str, FailureReason], int]
+    fallbacks_total: dict[tuple[str, FallbackReason], int]
+    fd_reuse_skips: dict[str, int]
+    durations: dict[str, tuple[list[int], float]]
+    known_pools: list[str]
 
 
 @dataclass
@@ -61,7 +86,7 @@ class AllocationRecord:
     kind: str
     backend: str
     name: str | None
-    state: str  # "live", "released_mapped" (views live) or "released_shared" (peers map it)
+    state: RegionState  # released_mapped: views live; released_shared: peers map it
     requested_bytes: int
     mapped_bytes: int
     page_size: int

@@ -20,8 +20,9 @@ from hostpool.memory import cuda, failures, kernel, populate, shm, syscalls
 from hostpool.memory.facts import RegionFacts, holder_over_tensor, region_over
 from hostpool.memory.holders import holder_type
 from hostpool.memory.hugepages import HugepagePlan, plan_hugepages, required_message
-from hostpool.memory.options import Kind, RegionOptions
+from hostpool.memory.options import RegionOptions
 from hostpool.memory.region import Region, RegionMapping
+from hostpool.words import AllocatorKind
 
 
 def _pin(
@@ -135,7 +136,7 @@ def choose_populate(requested: str, fd_backed: bool) -> str:
 def create_region(
     nbytes: int,
     *,
-    kind: Kind,
+    kind: AllocatorKind,
     pool: str,
     options: RegionOptions,
     on_unmapped: Callable[..., None] | None = None,
@@ -173,14 +174,14 @@ def create_region(
         raise
 
 
-def backend_of(kind: Kind, options: RegionOptions) -> str:
+def backend_of(kind: AllocatorKind, options: RegionOptions) -> str:
     """The backend a request of this kind maps (memfd may still fall back to devshm)."""
     if kind == "shm":
         return "devshm" if options.shm_backend == "devshm" else "memfd"
     return {"mmap": "anon", "torch": "torch"}[kind]
 
 
-def plan_fallback(kind: Kind, nbytes: int, options: RegionOptions) -> HugepagePlan:
+def plan_fallback(kind: AllocatorKind, nbytes: int, options: RegionOptions) -> HugepagePlan:
     """The plan after hugetlb was short at mmap time (or refused by its admission)."""
     return plan_hugepages(kind, backend_of(kind, options), nbytes, options, hugetlb_failed=True)
 
@@ -200,7 +201,7 @@ def _tmpfs_full(b: _Builder, nbytes: int) -> bool:
 def _create(
     b: _Builder,
     nbytes: int,
-    kind: Kind,
+    kind: AllocatorKind,
     pool: str,
     options: RegionOptions,
     on_unmapped: Callable[..., None] | None,

@@ -11,8 +11,8 @@ from typing import Any
 
 from hostpool.memory import syscalls
 from hostpool.memory.holders import holder_type
-from hostpool.memory.options import Kind
 from hostpool.memory.region import Region, new_region
+from hostpool.words import AllocatorKind, FallbackReason
 
 
 @dataclass(frozen=True)
@@ -20,12 +20,12 @@ class RegionFacts:
     """What the maker of a region knows besides its holder (see `Region` for each field)."""
 
     pool: str
-    kind: Kind
+    kind: AllocatorKind
     backend: str
     requested_bytes: int
     populate_mode: str = "none"
     populate_seconds: float = 0.0
-    hugepage_fallbacks: tuple[str, ...] = ()
+    hugepage_fallbacks: tuple[FallbackReason, ...] = ()
     name: str | None = None  # the memfd's or the mapping's name, as /proc shows it
     page_size: int = syscalls.PAGE_SIZE
 

@@ -8,24 +8,15 @@ from dataclasses import dataclass
 from hostpool.base.units import format_size
 from hostpool.errors import HugepageUnavailableError
 from hostpool.memory import kernel, thp
-from hostpool.memory.options import Kind, RegionOptions
-
-# The fixed set of hugepage fallback reasons (label `reason` of
-# hostpool_hugepage_fallbacks_total), documented in metrics/README.md.
-FALLBACK_REASONS = (
-    "hugetlb_pool_short",  # not enough free hugetlb pages of that size (or mmap ENOMEM)
-    "hugetlb_unsupported",  # no pool of that size on this host, or the allocator cannot
-    "thp_disabled",  # transparent hugepages are off for this kind of memory
-    "thp_costly",  # THP is on, but a THP fault costs more than 4 KiB faults on this host
-    "devshm_no_hugepages",  # the /dev/shm fallback file cannot use hugetlb
-)
+from hostpool.memory.options import RegionOptions
+from hostpool.words import AllocatorKind, FallbackReason
 
 
 @dataclass(frozen=True)
 class HugepagePlan:
     hugetlb_size: int | None
     thp: bool  # MADV_HUGEPAGE the mapping
-    fallbacks: tuple[str, ...]
+    fallbacks: tuple[FallbackReason, ...]
     thp_avoid: bool = False  # MADV_NOHUGEPAGE: THP is `always` here but costs more
 
 
@@ -35,7 +26,7 @@ class ThpChoice:
 
     advise: bool
     avoid: bool  # THP would come unasked (`always`): opt the mapping out
-    reason: str | None  # the fallback reason when not advised
+    reason: FallbackReason | None  # the fallback reason when not advised
     why: str
 
 
@@ -57,7 +48,7 @@ def required_message(size: int, need_pages: int, pool: kernel.HugepagePool | Non
 
 
 def plan_hugepages(
-    kind: Kind,
+    kind: AllocatorKind,
     backend: str,
     nbytes: int,
     options: RegionOptions,
@@ -72,7 +63,7 @@ def plan_hugepages(
         return HugepagePlan(None, False, ())
     size = options.hugepage_size
     need = -(-max(nbytes, 1) // size)
-    reason: str | None = None
+    reason: FallbackReason | None = None
     pool = None
     if kind == "torch":
         reason = "hugetlb_unsupported"
@@ -100,7 +91,7 @@ def plan_hugepages(
     return thp_plan((reason,), kind, nbytes)
 
 
-def thp_choice(kind: Kind, nbytes: int, facts: thp.ThpFacts) -> ThpChoice:
+def thp_choice(kind: AllocatorKind, nbytes: int, facts: thp.ThpFacts) -> ThpChoice:
     """THP for a mapping of `nbytes`, chosen from this host's settings and state.
 
     A THP fault zeroes 2 MiB at once, 512 times fewer faults, when a free 2 MiB block is
@@ -147,7 +138,9 @@ def thp_choice(kind: Kind, nbytes: int, facts: thp.ThpFacts) -> ThpChoice:
     )
 
 
-def thp_plan(fallbacks: tuple[str, ...], kind: Kind, nbytes: int = 0) -> HugepagePlan:
+def thp_plan(
+    fallbacks: tuple[FallbackReason, ...], kind: AllocatorKind, nbytes: int = 0
+) -> HugepagePlan:
     choice = thp_choice(kind, nbytes, thp.read_facts())
     if choice.advise:
         return HugepagePlan(None, True, fallbacks)

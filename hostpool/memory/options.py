@@ -5,23 +5,20 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any
 
 from hostpool.base.units import parse_size
 from hostpool.errors import InvalidRequestError
 from hostpool.memory import kernel
+from hostpool.words import (
+    HUGEPAGE_MODES,
+    POPULATE_CHOICES,
+    SHM_BACKENDS,
+    HugepageMode,
+    PopulateChoice,
+    ShmBackend,
+)
 
-# What a region is made of: a memfd or /dev/shm file, anonymous memory, or torch's.
-Kind = Literal["shm", "mmap", "torch"]
-HugepageMode = Literal["off", "prefer", "required"]
-PopulateMode = Literal["auto", "madvise", "map_populate", "touch", "none"]
-ShmBackend = Literal["auto", "memfd", "devshm"]
-
-HUGEPAGE_MODES = ("off", "prefer", "required")
-# The ways a region is populated (label `mode` of hostpool_populate_mode); `auto` picks one.
-POPULATE_MODES = ("madvise", "map_populate", "touch", "none")
-POPULATE_CHOICES = ("auto", *POPULATE_MODES)
-SHM_BACKENDS = ("auto", "memfd", "devshm")
 POOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 DEFAULT_PIN_CHUNK = 1 << 30
 _DEFAULT_THREADS = min(8, os.cpu_count() or 1)
@@ -42,7 +39,7 @@ class RegionOptions:
 
     hugepages: HugepageMode = "off"
     hugepage_size: int = 2 << 20
-    populate: PopulateMode = "auto"
+    populate: PopulateChoice = "auto"
     populate_threads: int = 0  # 0: min(8, cpu count)
     pin: bool = False
     pin_chunk_bytes: int = DEFAULT_PIN_CHUNK

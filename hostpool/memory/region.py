@@ -10,9 +10,10 @@ Two finalizers, neither holding the Region:
 - on the holder (the last view died, the mapping is still there): CUDA unregister;
 - on the mmap (runs after munmap): close the Region's fd, report the mapping gone.
 
-`on_unmapped(region_id, how="finalizer", reused_fd=None, still_mapped=False)` is how the
-memory layer reports an end: `finalizer` means only "collected"; the ledger, which knows
-who owned the region, decides what that was (`tensor` or the leak signal).
+`on_unmapped(region_id, cause="collected", reused_fd=None, still_mapped=False)` is how
+the memory layer reports an end (`hostpool.words.EndCause`: `explicit` or `collected`);
+the ledger, which knows who owned the region, decides what a collection was (`tensor` or
+the leak signal, `finalizer`).
 
 Measuring holds nothing. `scrape()`, `resident_bytes()`, `open_fd_count()`, `mapped` and
 `views_alive()` run on any thread (the collector's, a publisher's) while the owner releases
@@ -41,7 +42,7 @@ from typing import Any
 
 from hostpool.base.locks import ForkSafeLock
 from hostpool.memory import cuda, syscalls
-from hostpool.memory.options import Kind
+from hostpool.words import AllocatorKind, EndCause, FallbackReason
 
 _region_ids = iter(range(1, 1 << 62))
 _region_ids_lock = ForkSafeLock()
@@ -89,7 +90,7 @@ def new_region(
         finalizers = [
             weakref.finalize(holder, _views_gone, chunks, None, region.id),
             weakref.finalize(
-                mapping, _mapping_gone, fd_box, on_unmapped, region.id, "finalizer", dev_ino
+                mapping, _mapping_gone, fd_box, on_unmapped, region.id, "collected", dev_ino
             ),
         ]
         mapping._on_close = (fd_box, on_unmapped, region.id, dev_ino)
@@ -179,7 +180,7 @@ def _mapping_gone(
     fd_box: list[int],
     on_unmapped: Callable[..., None] | None,
     region_id: int,
-    how: str = "finalizer",
+    how: EndCause = "collected",
     dev_ino: tuple[int, int] | None = None,
 ) -> None:
     # Finalizer: runs after munmap, possibly inside cyclic GC on any thread. It takes no
@@ -239,7 +240,7 @@ class Region:
 
     id: int
     pool: str
-    kind: Kind
+    kind: AllocatorKind
     backend: str  # memfd, devshm, anon, torch
     name: str | None
     requested_bytes: int
@@ -248,7 +249,7 @@ class Region:
     address: int
     populate_mode: str  # madvise, map_populate, touch, none
     populate_seconds: float
-    hugepage_fallbacks: tuple[str, ...] = ()
+    hugepage_fallbacks: tuple[FallbackReason, ...] = ()
     thp_advised: bool = False
     seals: int = 0
     numa_node: int | None = None

@@ -32,13 +32,10 @@ from hostpool.base.units import format_size
 from hostpool.core.budget import LIMITS, admissions, budget_view
 from hostpool.core.ledger import Ledger, get_ledger
 from hostpool.core.records import DURATION_BUCKETS
-from hostpool.errors import FAILURE_REASONS
 from hostpool.memory import kernel
-from hostpool.memory.hugepages import FALLBACK_REASONS
-from hostpool.memory.options import POPULATE_MODES
 from hostpool.share.peers import attached_clients
+from hostpool.words import FAILURE_REASONS, FALLBACK_REASONS, POPULATE_MODES, RELEASE_HOWS
 
-RELEASE_HOWS = ("explicit", "tensor", "finalizer")
 # Why a multiprocess publish failed: the errno families an operator can act on, else other.
 PUBLISH_ERROR_KINDS = ("fd_limit", "no_space", "permission", "os_error", "other")
 
@@ -171,7 +168,7 @@ def measure(ledger: Ledger) -> dict[str, dict[tuple[str, ...], Any]]:
     region released meanwhile: it counts 0.
     """
     counters = ledger.counters()
-    pools: list[str] = counters["known_pools"]
+    pools: list[str] = counters.known_pools
     out: dict[str, dict[tuple[str, ...], Any]] = defaultdict(dict)
     allocated: dict[tuple[str, ...], float] = defaultdict(float)
     resident: dict[tuple[str, ...], float] = defaultdict(float)
@@ -189,22 +186,22 @@ def measure(ledger: Ledger) -> dict[str, dict[tuple[str, ...], Any]]:
             out["hostpool_allocation_failures"][(pool, reason)] = 0.0
         for how in RELEASE_HOWS:
             out["hostpool_releases"][(pool, how)] = 0.0
-        for reason in FALLBACK_REASONS:
-            out["hostpool_hugepage_fallbacks"][(pool, reason)] = 0.0
+        for fallback in FALLBACK_REASONS:
+            out["hostpool_hugepage_fallbacks"][(pool, fallback)] = 0.0
         out["hostpool_attached_clients"][(pool,)] = 0.0
-    for (pool, allocator), n in counters["allocations_total"].items():
+    for (pool, allocator), n in counters.allocations_total.items():
         out["hostpool_allocations"][(pool, allocator)] = float(n)
         live[(pool, allocator)] += 0.0
     # What the ledger keeps up to date at each transition.
-    for (pool, allocator, page_size), n in counters["live_bytes"].items():
+    for (pool, allocator, page_size), n in counters.live_bytes.items():
         key = (pool, allocator, _page_label(page_size))
         allocated[key] += n
         resident[key] += 0.0
-    for (pool, allocator), n in counters["live_count"].items():
+    for (pool, allocator), n in counters.live_count.items():
         live[(pool, allocator)] += n
-    for (pool, mode), n in counters["live_modes"].items():
-        out["hostpool_populate_mode"][(pool, mode)] = float(n)
-    for pool, n in counters["live_pinned"].items():
+    for (pool, mode_used), n in counters.live_modes.items():
+        out["hostpool_populate_mode"][(pool, mode_used)] = float(n)
+    for pool, n in counters.live_pinned.items():
         out["hostpool_pinned_bytes"][(pool,)] = float(n)
     # What only the kernel knows, measured now: one fstat (or mincore) per region.
     open_fds: dict[tuple[str, ...], float] = defaultdict(float)
@@ -233,14 +230,14 @@ def measure(ledger: Ledger) -> dict[str, dict[tuple[str, ...], Any]]:
     out["hostpool_allocated_bytes"] = dict(allocated)
     out["hostpool_resident_bytes"] = dict(resident)
     out["hostpool_live_allocations"] = dict(live)
-    for (pool, reason), n in counters["failures_total"].items():
+    for (pool, reason), n in counters.failures_total.items():
         out["hostpool_allocation_failures"][(pool, reason)] = float(n)
-    for (pool, how), n in counters["releases_total"].items():
+    for (pool, how), n in counters.releases_total.items():
         out["hostpool_releases"][(pool, how)] = float(n)
-    for (pool, reason), n in counters["fallbacks_total"].items():
-        out["hostpool_hugepage_fallbacks"][(pool, reason)] = float(n)
+    for (pool, fallback), n in counters.fallbacks_total.items():
+        out["hostpool_hugepage_fallbacks"][(pool, fallback)] = float(n)
     for pool in pools:
-        counts, total = counters["durations"].get(pool, ([0] * (len(DURATION_BUCKETS) + 1), 0.0))
+        counts, total = counters.durations.get(pool, ([0] * (len(DURATION_BUCKETS) + 1), 0.0))
         cumulative, buckets = 0, []
         for bound, count in zip((*DURATION_BUCKETS, float("inf")), counts, strict=True):
             cumulative += count
@@ -248,7 +245,7 @@ def measure(ledger: Ledger) -> dict[str, dict[tuple[str, ...], Any]]:
         out["hostpool_allocation_duration_seconds"][(pool,)] = (buckets, total)
     for pool in pools:
         out["hostpool_fd_reuse_skips"][(pool,)] = 0.0
-    for pool, n in counters["fd_reuse_skips"].items():
+    for pool, n in counters.fd_reuse_skips.items():
         out["hostpool_fd_reuse_skips"][(pool,)] = float(n)
     view = budget_view(admissions(ledger), ledger.held_bytes())
     for limit, value in view.limits.items():

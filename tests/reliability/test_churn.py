@@ -204,7 +204,10 @@ def test_churn_counts_balance_and_nothing_is_left(monkeypatch: pytest.MonkeyPatc
     after = ledger.counters()
 
     def delta(key: str, label: str) -> int:
-        return sum(after[key].get((p, label), 0) - before[key].get((p, label), 0) for p in pools)
+        return sum(
+            getattr(after, key).get((p, label), 0) - getattr(before, key).get((p, label), 0)
+            for p in pools
+        )
 
     made = sum(delta("allocations_total", k) for k in ("shm", "mmap", "default"))
     assert made == CYCLES + 4  # and the four at rest

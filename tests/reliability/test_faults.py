@@ -48,7 +48,7 @@ def test_fd_limit_just_above_the_current_count() -> None:
             print("refused", e.reason)
         assert [r for r in get_ledger().snapshot() if r.pool == "nofile"] == []
         assert helpers.fd_links() == {}
-        failures = get_ledger().counters()["failures_total"]
+        failures = get_ledger().counters().failures_total
         print("counted", failures.get(("nofile", "fd_limit"), 0))
         """
     )
@@ -78,7 +78,7 @@ def test_cuda_registration_failing_at_chunk_k() -> None:
             with pytest.raises(AllocationError, match="cudaHostRegister"):
                 alloc.allocate((4 * MiB,), torch.uint8)
             assert fake.registered == {} and fake.problems == []
-            failures = get_ledger().counters()["failures_total"]
+            failures = get_ledger().counters().failures_total
             assert failures[("pinfault", "other")] >= 1
     finally:
         cuda.set_runtime(previous)
@@ -213,7 +213,7 @@ def test_out_of_fds_while_lending_one_is_an_error_not_a_release() -> None:
             os.close(got[1])
             break
         print("seen", json.dumps(seen))
-        failures = get_ledger().counters()["failures_total"]
+        failures = get_ledger().counters().failures_total
         print("counted", failures.get(("lend3", "fd_limit"), 0), len(seen))
         """
     )

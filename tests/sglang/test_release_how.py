@@ -32,9 +32,7 @@ def sglang_installed() -> Iterator[None]:
 def _releases(pool: str) -> dict[str, int]:
     ledger = get_ledger()
     ledger.drain()
-    return {
-        how: n for (p, how), n in ledger.counters()["releases_total"].items() if p == pool and n
-    }
+    return {how: n for (p, how), n in ledger.counters().releases_total.items() if p == pool and n}
 
 
 @pytest.mark.parametrize("allocator_type", ["default", "shm"])

@@ -89,9 +89,7 @@ def mappings(pool: str) -> int:
 
 
 def releases(pool: str) -> dict[str, int]:
-    return {
-        how: n for (p, how), n in get_ledger().counters()["releases_total"].items() if p == pool
-    }
+    return {how: n for (p, how), n in get_ledger().counters().releases_total.items() if p == pool}
 
 
 def placed_as_vllm_addresses(

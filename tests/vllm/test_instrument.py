@@ -43,7 +43,7 @@ def records():
 
 def counters():
     c = get_ledger().counters()
-    return {k: {"|".join(key): v for key, v in c[k].items()}
+    return {k: {"|".join(key): v for key, v in getattr(c, k).items()}
             for k in ("allocations_total", "releases_total")}
 
 def scrape(pool="vllm_offload"):

@@ -80,7 +80,7 @@ class HostpoolRegion:
         metrics_route.worker_region_released()
         counts = {
             how: n
-            for (pool, how), n in get_ledger().counters()["releases_total"].items()
+            for (pool, how), n in get_ledger().counters().releases_total.items()
             if pool == self.pool
         }
         logger.info(

@@ -164,7 +164,7 @@ def mapping_gone(
     # Finalizer (any thread, inside GC): no lock, no reference to the record.
     source = source_ref()
     cleaned = source is not None and getattr(source, "mmap_obj", True) is None
-    notify(region_id, "explicit" if cleaned else "finalizer")
+    notify(region_id, "explicit" if cleaned else "collected")
 
 
 def untracked(exc: BaseException) -> None:
