@@ -43,17 +43,15 @@ concurrent scrapers (an HA Prometheus pair, a flood) cost one pass.
 
 from __future__ import annotations
 
-import gc
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hostpool.base import events
 from hostpool.errors import ConfigError
+from hostpool.metrics.flight import SharedFlight
 from hostpool.proc import names, procaccess, procfs, procgroup, scan
 from hostpool.proc.textsafe import printable
 
@@ -62,44 +60,6 @@ OTHER_POOL = "_other"
 DEFAULT_SCRAPE_BUDGET = 5.0  # seconds; Prometheus' default scrape_timeout is 10 s
 
 _Totals = procgroup.PoolTotals
-
-
-class _Flight:
-    """One pass over /proc that concurrent scrapes share."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.metrics: list[Metric] | None = None
-        self.error: BaseException | None = None
-
-
-_gc_lock = threading.Lock()
-_gc_pausers = 0
-_gc_was_enabled = False
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector off while the block runs (in any thread), back on when
-    the last such block ends if it was on before the first.
-
-    A scrape allocates an object or more per mapping and fd it reads and frees them all
-    by reference counting (it makes no cycles): the collector's passes over them, one
-    per few hundred allocations, find nothing to free.
-    """
-    global _gc_pausers, _gc_was_enabled
-    with _gc_lock:
-        if _gc_pausers == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_pausers += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pausers -= 1
-            if _gc_pausers == 0 and _gc_was_enabled:
-                gc.enable()
 
 
 class ProcfsCollector(Collector):
@@ -129,33 +89,14 @@ class ProcfsCollector(Collector):
         self._warned_unreadable = False
         self._warned_folded: set[str] = set()
         self._was_truncated = False
-        self._flight_lock = threading.Lock()
-        self._flight: _Flight | None = None
+        self._flight: SharedFlight[list[Metric]] = SharedFlight()
 
     def describe(self) -> Iterable[Metric]:
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
-        with self._flight_lock:
-            flight, leader = self._flight, self._flight is None
-            if flight is None:
-                flight = self._flight = _Flight()
-        if not leader:  # a pass is under way: its result is as fresh as ours would be
-            flight.done.wait()
-        else:
-            try:
-                with _gc_paused():
-                    flight.metrics = self._collect_once()
-            except BaseException as exc:
-                flight.error = exc
-            finally:
-                with self._flight_lock:
-                    self._flight = None
-                flight.done.set()
-        if flight.error is not None:
-            raise flight.error
-        assert flight.metrics is not None
-        return flight.metrics
+        # concurrent scrapes share one pass over /proc (metrics/flight)
+        return self._flight.run(self._collect_once)
 
     def _collect_once(self) -> list[Metric]:
         started = time.perf_counter()
