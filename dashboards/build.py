@@ -51,12 +51,13 @@ RATE = "[$__rate_interval]"
 NEEDS_NOTE = {
     "node_exporter": "Empty unless node_exporter is scraped (pick its host in `node`).",
     "exporter": "Empty unless `hostpool exporter` is scraped.",
+    "node": "Empty unless `hostpool exporter --node` is scraped.",
     "serve": "Empty unless `hostpool serve` is scraped (servers that embed hostpool, such as "
     "sglang and vLLM, have no populate phase of their own).",
 }
 
 PanelKind = Literal["timeseries", "heatmap", "stat", "gauge"]
-Needs = Literal["node_exporter", "exporter", "serve"]
+Needs = Literal["node_exporter", "exporter", "serve", "node"]
 
 
 @dataclass(frozen=True)
@@ -535,11 +536,11 @@ PROCESS = RowSpec(
             kind="stat",
         ),
         PanelSpec(
-            "Host shared memory",
+            "Host Shmem (node_exporter)",
             "Shmem on the host (node_exporter): tmpfs, /dev/shm and memfds, hostpool's "
             "pools included, hugetlb pages excluded. Far above hostpool's allocated bytes "
-            "means other processes or leftover /dev/shm files hold shared memory: check "
-            "`df /dev/shm` and `hostpool inspect`.",
+            "means other processes or leftover /dev/shm files hold shared memory: the Host "
+            "shared memory row (`hostpool exporter --node`) and `hostpool shm` say whose.",
             "bytes",
             (q(f"node_memory_Shmem_bytes{{{NODE}}}", "{{instance}}"),),
             needs="node_exporter",
@@ -631,6 +632,157 @@ EXPORTER = RowSpec(
     ),
 )
 
+# `hostpool exporter --node`: every shared-memory object on the host, by the fixed label
+# sets (engine, kind, state); never a pid, path or name.
+HOST_SHM = RowSpec(
+    "Host shared memory",
+    (
+        PanelSpec(
+            "Host shm by engine and state",
+            "Resident bytes of every shared-memory object on the host (memfds, tmpfs files "
+            "in every mount namespace, SysV segments, anonymous shared mappings), by the "
+            "engine its name belongs to and whether a process holds it (held) or none does "
+            "(orphaned: it stays in RAM until unlinked). Hugetlb objects are in their own "
+            "panel. `hostpool shm` lists the objects, with their holders.",
+            "bytes",
+            (
+                q(
+                    f"sum by (engine, state) (hostpool_host_shm_bytes{{{TARGET}}})",
+                    "{{engine}} {{state}}",
+                ),
+            ),
+            width=12,
+            needs="node",
+        ),
+        PanelSpec(
+            "Host Shmem: attributed and unattributed",
+            "The host's Shmem (/proc/meminfo), the part of it the objects found hold "
+            "(attributed), and the rest (unattributed): processes the exporter may not read, "
+            "tmpfs it cannot reach, or kernel users of shmem. Unattributed above 10% of "
+            "Shmem and 1 GiB for 15 minutes fires HostpoolShmemUnattributed.",
+            "bytes",
+            (
+                q(
+                    f"sum by (instance) (hostpool_host_shmem_bytes{{{TARGET}}})",
+                    "{{instance}} Shmem",
+                ),
+                q(
+                    f"sum by (instance) (hostpool_host_shm_bytes{{{TARGET}}})",
+                    "{{instance}} attributed",
+                ),
+                q(
+                    f"sum by (instance) (hostpool_host_shmem_unattributed_bytes{{{TARGET}}})",
+                    "{{instance}} unattributed",
+                ),
+            ),
+            width=12,
+            needs="node",
+        ),
+        PanelSpec(
+            "Orphaned shared memory",
+            "Resident bytes of objects no process holds (tmpfs files, unattached SysV "
+            "segments), by engine and kind: what an engine that exited uncleanly (SIGKILL, "
+            "OOM kill, container restart) left behind. Empty while there are none. Above "
+            "zero for 10 minutes fires HostpoolOrphanedShm: `hostpool shm --orphans` lists "
+            "them, `hostpool reap` frees them.",
+            "bytes",
+            (
+                q(
+                    "sum by (instance, engine, kind) "
+                    f'(hostpool_host_shm_bytes{{{TARGET}, state="orphaned"}})',
+                    "{{instance}} {{engine}} {{kind}}",
+                ),
+                q(
+                    "sum by (instance, engine, kind) "
+                    f'(hostpool_host_hugetlb_bytes{{{TARGET}, state="orphaned"}})',
+                    "{{instance}} {{engine}} {{kind}} hugetlb",
+                ),
+            ),
+            thresholds=((None, "green"), (1, "red")),
+            needs="node",
+        ),
+        PanelSpec(
+            "Oldest orphan age",
+            "Per engine, seconds since its oldest orphan last changed. Empty while there are "
+            "no orphans. Old orphans are left by a crash, not by a restart under way: "
+            "`hostpool reap` (default --min-age 10m) frees those.",
+            "s",
+            (
+                q(
+                    "max by (instance, engine) "
+                    f"(hostpool_host_shm_oldest_orphan_age_seconds{{{TARGET}}})",
+                    "{{instance}} {{engine}}",
+                ),
+            ),
+            thresholds=((None, "green"), (600, "orange")),
+            needs="node",
+        ),
+        PanelSpec(
+            "Host shm objects by engine and kind",
+            "Shared-memory objects on the host by engine, kind and state (one per inode: a "
+            "file seen in two mount namespaces, or held by ten processes, counts once). A "
+            "count that keeps growing under a flat load is an engine that makes objects and "
+            "never frees them.",
+            "short",
+            (
+                q(
+                    f"sum by (engine, kind, state) (hostpool_host_shm_objects{{{TARGET}}})",
+                    "{{engine}} {{kind}} {{state}}",
+                ),
+            ),
+            needs="node",
+        ),
+        PanelSpec(
+            "Host hugetlb objects",
+            "Resident bytes of shared-memory objects backed by hugetlb pages, by engine, "
+            "kind and state. They are not part of Shmem (hence not in the panels above); "
+            "hugetlb pages held by an orphan are lost to every other process until it is "
+            "freed.",
+            "bytes",
+            (
+                q(
+                    f"sum by (engine, kind, state) (hostpool_host_hugetlb_bytes{{{TARGET}}})",
+                    "{{engine}} {{kind}} {{state}}",
+                ),
+            ),
+            width=12,
+            needs="node",
+        ),
+        PanelSpec(
+            "Node view scrape time",
+            "Time `hostpool exporter --node` spent reading the host view (every process's "
+            "fds and maps, every tmpfs, SysV) for the last scrape. Near the exporter's "
+            "--scrape-budget the scrape is cut short: see the truncated panel.",
+            "s",
+            (
+                q(
+                    f"max by (instance) (hostpool_host_scrape_duration_seconds{{{TARGET}}})",
+                    "{{instance}}",
+                ),
+            ),
+            width=6,
+            needs="node",
+        ),
+        PanelSpec(
+            "Node view truncated",
+            "1 while the host view's reading reaches the exporter's --scrape-budget before "
+            "reading everything: the panels of this row are then partial and unattributed "
+            "bytes too high. Raise --scrape-budget (below Prometheus' scrape_timeout).",
+            "short",
+            (
+                q(
+                    f"max by (instance) (hostpool_host_scrape_truncated{{{TARGET}}})",
+                    "{{instance}}",
+                ),
+            ),
+            kind="stat",
+            width=6,
+            thresholds=((None, "green"), (1, "red")),
+            needs="node",
+        ),
+    ),
+)
+
 ROWS: tuple[RowSpec, ...] = (
     OVERVIEW,
     LIFECYCLE,
@@ -640,6 +792,7 @@ ROWS: tuple[RowSpec, ...] = (
     SHARING,
     PROCESS,
     EXPORTER,
+    HOST_SHM,
 )
 
 # Panels allowed to be empty, by what they need (for the end-to-end test).
@@ -648,6 +801,7 @@ OPTIONAL_PANELS: dict[str, Needs] = {
 }
 NODE_EXPORTER_PANELS = frozenset(t for t, n in OPTIONAL_PANELS.items() if n == "node_exporter")
 EXPORTER_PANELS = frozenset(t for t, n in OPTIONAL_PANELS.items() if n == "exporter")
+NODE_VIEW_PANELS = frozenset(t for t, n in OPTIONAL_PANELS.items() if n == "node")
 
 
 def _description(panel: PanelSpec) -> str:
@@ -763,8 +917,12 @@ def _query_variable(name: str, label: str, query: str, description: str) -> dash
 
 
 # one metric every server and exporter exports: an exporter exports
-# hostpool_exporter_processes with --match, hostpool_exporter_target_up with --pid
-_TARGET_METRICS = "hostpool_build_info|hostpool_exporter_processes|hostpool_exporter_target_up"
+# hostpool_exporter_processes with --match, hostpool_exporter_target_up with --pid,
+# hostpool_host_shmem_bytes with --node
+_TARGET_METRICS = (
+    "hostpool_build_info|hostpool_exporter_processes|hostpool_exporter_target_up"
+    "|hostpool_host_shmem_bytes"
+)
 
 
 def variables() -> list[Any]:

@@ -126,6 +126,7 @@ def test_rows(dashboard: Dashboard) -> None:
         "Sharing",
         "Process and host context",
         "Exporter (other processes)",
+        "Host shared memory",
     ]
     # Every row has panels under it (expanded rows: the panels that follow it).
     kinds = [p["type"] for p in dashboard["panels"]]
@@ -164,6 +165,9 @@ def test_optional_panels_are_marked(dashboard: Dashboard) -> None:
     assert {t for t, n in derived.items() if n == "node_exporter"} == build.NODE_EXPORTER_PANELS
     assert len(build.NODE_EXPORTER_PANELS) == 2
     assert build.EXPORTER_PANELS
+    # the whole Host shared memory row is the node view's
+    row = next(r for r in build.ROWS if r.title == "Host shared memory")
+    assert {p.title for p in row.panels} == build.NODE_VIEW_PANELS
     descriptions = {p["title"]: p["description"] for p in lint.content_panels(dashboard)}
     for title in derived:
         assert "Empty unless" in descriptions[title]
@@ -347,7 +351,7 @@ MUTATIONS: dict[str, tuple[Callable[[Dashboard], None], str]] = {
         'hostpool_budget_bytes lacks the matcher instance=~"$instance"',
     ),
     "node metric on the wrong variable": (
-        _set_expr("Host shared memory", 'node_memory_Shmem_bytes{instance=~"$instance"}'),
+        _set_expr("Host Shmem (node_exporter)", 'node_memory_Shmem_bytes{instance=~"$instance"}'),
         'node_memory_Shmem_bytes lacks the matcher instance=~"$node"',
     ),
     "no unit": (_no_unit, "panel 'Live allocations': no unit"),
