@@ -27,10 +27,12 @@ def _own_paths() -> dict[str, str]:
     process moved to another cgroup must be admitted against that one."""
     paths: dict[str, str] = {}
     try:
-        text = Path("/proc/self/cgroup").read_text()
+        # bytes, lines at "\n" only: the kernel writes a cgroup's name as it is, and a
+        # delegated cgroup's name (\r, \x0b, \x85...) must not end a line
+        text = Path("/proc/self/cgroup").read_bytes().decode(errors="surrogateescape")
     except FileNotFoundError:
         return paths  # no cgroups here
-    for line in text.splitlines():
+    for line in filter(None, text.split("\n")):
         _, controllers, path = line.split(":", 2)
         for c in controllers.split(",") if controllers else [""]:
             paths[c] = path

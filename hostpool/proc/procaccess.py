@@ -136,12 +136,13 @@ def proc_hidepid() -> tuple[str, str | None]:
     "noaccess", "invisible" or "ptraceable"."""
     modes = {"0": "off", "1": "noaccess", "2": "invisible", "4": "ptraceable"}
     try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
+        # lines at "\n" only: mountinfo escapes a mount point's \n, not its \r or \x0b
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().decode(errors="replace").split("\n")
     except OSError:
         return "off", None
     for line in reversed(lines):  # the last mount on /proc is the visible one
-        fields = line.split()
+        fields = line.split(" ")  # spaces only (escaped in paths), not a name's \x85
         if len(fields) < 10 or fields[4] != "/proc" or "-" not in fields:
             continue
         sep = fields.index("-")

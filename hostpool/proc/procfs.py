@@ -16,11 +16,17 @@ Names are parsed by `hostpool.proc.names`.
 A process that exits while it is read raises ProcessNotFoundError from any step (ENOENT
 or ESRCH); scans skip it. Names are returned as /proc shows them (undecodable bytes as
 surrogate escapes): printing them is the presentation's job (`hostpool.proc.textsafe`).
+
+Maps and smaps lines end at `\n` only, fields are split at spaces only (as bulkread.c
+does): the kernel writes a name as it is but for `\n` (`\012`), so `str.splitlines()`
+(also `\r \x0b \x0c \x1c-\x1e \x85 \u2028`) would let a memfd's name forge lines.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -210,7 +216,7 @@ def shm_mappings(
     if usage:
         return _parse_smaps(text, prefixes)
     out = []
-    for line in text.splitlines():
+    for line in text.split("\n"):
         mapping = parse_maps_line(line, prefixes) if any(p in line for p in prefixes) else None
         if mapping is not None:
             out.append(mapping)
@@ -225,7 +231,7 @@ def shm_maps_lines(pid: Pid, prefixes: Sequence[str] = KNOWN_PREFIXES) -> list[s
         return []
     return [
         line.decode(errors="surrogateescape")
-        for line in data.splitlines()
+        for line in data.split(b"\n")
         if any(p in line for p in wanted)
     ]
 
@@ -267,36 +273,37 @@ def read_proc_bytes(pid: Pid, path: str) -> bytes:
 
 
 def read_proc_text(pid: Pid, path: str) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as f:
-            return f.read()
-    except GONE:
-        raise ProcessNotFoundError(pid) from None
-    except PermissionError:
-        raise ProcessAccessError(pid, path) from None
+    return read_proc_bytes(pid, path).decode(errors="surrogateescape")
+
+
+# `start-end perms offset major:minor inode  path` (proc(5)), as bulkread.c parses it
+_MAPS_FIELDS: Final = re.compile(
+    r"([0-9a-f]{1,16})-([0-9a-f]{1,16}) ([^ ]+) ([0-9a-f]{1,16}) "
+    r"([0-9a-f]{1,16}):([0-9a-f]{1,16}) ([0-9]{1,20}) +(.+)",
+    re.DOTALL,
+)
 
 
 def parse_maps_line(line: str, prefixes: Sequence[str] = KNOWN_PREFIXES) -> ShmMapping | None:
     """One line of /proc/PID/maps, if it maps a shm object whose name has a prefix."""
-    fields = line.split(None, 5)
-    if len(fields) < 6:
+    fields = _MAPS_FIELDS.fullmatch(line)
+    if fields is None:
         return None
-    classified = classify_path(fields[5])
+    start, end, perms, offset, major, minor, inode, path = fields.groups()
+    classified = classify_path(path)
     if classified is None:
         return None
     kind, object_name = classified
     parsed = parse_name(object_name, prefixes)
     if parsed is None:
         return None
-    start, _, end = fields[0].partition("-")
-    major, _, minor = fields[3].partition(":")
     return ShmMapping(
         start=int(start, 16),
         end=int(end, 16),
-        perms=fields[1],
-        offset=int(fields[2], 16),
+        perms=perms,
+        offset=int(offset, 16),
         dev=os.makedev(int(major, 16), int(minor, 16)),
-        ino=int(fields[4]),
+        ino=int(inode),
         kind=kind,
         name=parsed,
     )
@@ -320,7 +327,7 @@ def _parse_smaps(text: str, prefixes: Sequence[str]) -> list[ShmMapping]:
         if current is not None:
             out.append(_with_usage(current, values))
 
-    for line in text.splitlines():
+    for line in text.split("\n"):
         if not line:
             continue
         if line[0] in _HEADER_START:
@@ -337,14 +344,8 @@ def _parse_smaps(text: str, prefixes: Sequence[str]) -> list[ShmMapping]:
 
 
 def _with_usage(mapping: ShmMapping, values: dict[str, int]) -> ShmMapping:
-    usage = Usage(
-        rss=values.get("rss", 0),
-        shared_hugetlb=values.get("shared_hugetlb", 0),
-        private_hugetlb=values.get("private_hugetlb", 0),
-        kernel_page_size=values.get("kernel_page_size", 0),
-    )
-    return ShmMapping(mapping.start, mapping.end, mapping.perms, mapping.offset, mapping.dev,
-                      mapping.ino, mapping.kind, mapping.name, usage)  # fmt: skip
+    usage = Usage(**{attr: values.get(attr, 0) for attr in _USAGE_KEYS.values()})
+    return dataclasses.replace(mapping, usage=usage)
 
 
 # -- one process, grouped by object -----------------------------------------------------
@@ -393,7 +394,7 @@ def command_name(pid: Pid) -> str | None:
     """The process's command name (/proc/PID/comm, chosen by the process: escape it
     before printing), or None if it cannot be read."""
     try:
-        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="surrogateescape") as f:
-            return f.read().removesuffix("\n")
+        with open(f"/proc/{pid}/comm", "rb") as f:  # bytes: a "\r" in it stays one
+            return f.read().decode(errors="surrogateescape").removesuffix("\n")
     except OSError:
         return None

@@ -248,7 +248,8 @@ class _FdReader:
             target = self._link(entry)
             if target is None or not any(n in target for n in needles):
                 continue
-            candidates = by_path.get(target)
+            # maps spells a newline in a path `\012`, a link has it as it is
+            candidates = by_path.get(target.replace(b"\n", b"\\012") if b"\n" in target else target)
             if candidates is None:
                 hit = lookup(target)
                 if hit is not None:
