@@ -118,13 +118,19 @@ class HostTotals:
 
 @dataclass(frozen=True, slots=True)
 class HostView:
-    """One scan of the host: every object found and the totals."""
+    """One scan of the host: every object found and the totals. `unreadable`: processes
+    this user may not read (their holdings are missing: objects only they hold look
+    orphaned); `complete`: False when a deadline cut the scan short."""
 
     objects: tuple[HostObject, ...]
     totals: HostTotals
+    unreadable: int = 0
+    complete: bool = True
 
     def as_json(self) -> dict[str, Any]:
         return {
             "objects": [o.as_json() for o in self.objects],
             "totals": self.totals.as_json(),
+            "unreadable_processes": self.unreadable,
+            "complete": self.complete,
         }

@@ -14,11 +14,14 @@
 #include <fcntl.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <time.h>
 
 /* the fields statx is asked for; AT_STATX_DONT_SYNC takes what the kernel has cached, so
  * another user's FUSE daemon or a slow network filesystem cannot stall the read */
 #define WANTED (STATX_TYPE | STATX_INO | STATX_BLOCKS)
+/* the host view (`devices` given) also wants each object's length and times */
+#define WANTED_HOST (WANTED | STATX_SIZE | STATX_MTIME | STATX_CTIME)
 #define BATCH 256 /* fds statx-ed with the GIL released, between two looks at the deadline */
 
 /* ---- maps ------------------------------------------------------------------------- */
@@ -80,6 +83,7 @@ expect(const char **p, const char *end, char c)
 
 struct maps_line {
     unsigned long long start, end, offset, major, minor, inode;
+    int shared; /* `s` in the perms: MAP_SHARED */
     const char *path;
     Py_ssize_t path_len;
 };
@@ -99,6 +103,7 @@ parse_maps_line(const char *s, const char *eol, struct maps_line *out)
         ;
     if (s == perms || !expect(&s, eol, ' '))
         return 0;
+    out->shared = s - perms >= 5 && perms[3] == 's';
     if (!parse_hex(&s, eol, &out->offset) || !expect(&s, eol, ' '))
         return 0;
     if (!parse_hex(&s, eol, &out->major) || !expect(&s, eol, ':'))
@@ -136,6 +141,11 @@ mentions(const char *path, Py_ssize_t len, PyObject *needles)
 enum {
     ROW_PATH, ROW_MATCH, ROW_MAPPINGS, ROW_MAPPED, ROW_FDS, ROW_ALLOCATED, ROW_SMAPS, ROW_FIELDS
 };
+/* The host view's rows (`devices` given) carry more: the name of the object's first VMA
+ * in /proc/PID/map_files or the fd it was met by ([vma or fd, is_fd]: a stat through
+ * either gives its pages), whether any mapping is MAP_SHARED, and from its first fd its
+ * length and times (host/scan.py's HROW_*) */
+enum { ROW_VIA = ROW_FIELDS, ROW_SHARED, ROW_SIZE, ROW_MTIME, ROW_CTIME, HOST_ROW_FIELDS };
 
 /* (inode, dev major, dev minor): the key of an object with an inode, as maps and statx
  * give it */
@@ -158,7 +168,8 @@ identity(unsigned long long inode, unsigned long long major, unsigned long long 
 static int
 row_check(PyObject *row)
 {
-    if (PyList_CheckExact(row) && PyList_GET_SIZE(row) == ROW_FIELDS)
+    if (PyList_CheckExact(row) &&
+        (PyList_GET_SIZE(row) == ROW_FIELDS || PyList_GET_SIZE(row) == HOST_ROW_FIELDS))
         return 0;
     PyErr_SetString(PyExc_TypeError, "rows must map keys to maps_objects rows");
     return -1;
@@ -175,19 +186,28 @@ add_to_item(PyObject *row, Py_ssize_t at, unsigned long long more)
     return sum == NULL ? -1 : PyList_SetItem(row, at, sum);
 }
 
+/* A row; `via` non-NULL makes a host row (its VMA's map_files name or its fd's entry) */
 static PyObject *
-new_row(PyObject *path, PyObject *match, unsigned long long size)
+new_row(PyObject *path, PyObject *match, unsigned long long mappings, unsigned long long size,
+        long fds, PyObject *via, int is_fd, int shared)
 {
-    PyObject *row = PyList_New(ROW_FIELDS);
+    PyObject *row = PyList_New(via ? HOST_ROW_FIELDS : ROW_FIELDS);
     if (row == NULL)
         return NULL;
     PyList_SET_ITEM(row, ROW_PATH, Py_NewRef(path));
     PyList_SET_ITEM(row, ROW_MATCH, Py_NewRef(match));
-    PyList_SET_ITEM(row, ROW_MAPPINGS, PyLong_FromLong(1));
+    PyList_SET_ITEM(row, ROW_MAPPINGS, PyLong_FromUnsignedLongLong(mappings));
     PyList_SET_ITEM(row, ROW_MAPPED, PyLong_FromUnsignedLongLong(size));
-    PyList_SET_ITEM(row, ROW_FDS, PyLong_FromLong(0));
+    PyList_SET_ITEM(row, ROW_FDS, PyLong_FromLong(fds));
     PyList_SET_ITEM(row, ROW_ALLOCATED, Py_NewRef(Py_None));
     PyList_SET_ITEM(row, ROW_SMAPS, Py_NewRef(Py_None));
+    if (via) {
+        PyList_SET_ITEM(row, ROW_VIA, Py_BuildValue("(Oi)", via, is_fd));
+        PyList_SET_ITEM(row, ROW_SHARED, PyBool_FromLong(shared));
+        PyList_SET_ITEM(row, ROW_SIZE, Py_NewRef(Py_None));
+        PyList_SET_ITEM(row, ROW_MTIME, Py_NewRef(Py_None));
+        PyList_SET_ITEM(row, ROW_CTIME, Py_NewRef(Py_None));
+    }
     if (PyErr_Occurred())
         Py_CLEAR(row);
     return row;
@@ -198,9 +218,9 @@ new_row(PyObject *path, PyObject *match, unsigned long long size)
  * the path is no match. -1 on error. */
 static int
 add_vma(PyObject *rows, PyObject *names, PyObject *unnamed, const struct maps_line *line,
-        PyObject *previous, int joined, PyObject **row)
+        PyObject *previous, int joined, int host, PyObject **row)
 {
-    PyObject *path, *key = NULL, *match, *fresh = NULL;
+    PyObject *path, *key = NULL, *match, *fresh = NULL, *via = NULL;
     unsigned long long size = line->end - line->start;
 
     *row = NULL;
@@ -215,7 +235,14 @@ add_vma(PyObject *rows, PyObject *names, PyObject *unnamed, const struct maps_li
     /* an object with an inode is that inode (the identity statx gives its fds); one
      * without (an anonymous VMA named by prctl) is its path */
     key = line->inode ? identity(line->inode, line->major, line->minor) : Py_NewRef(path);
-    fresh = key == NULL ? NULL : new_row(path, match == NULL ? Py_None : match, size);
+    if (key == NULL)
+        goto fail;
+    if (host) {
+        via = PyBytes_FromFormat("%llx-%llx", line->start, line->end);
+        if (via == NULL)
+            goto fail;
+    }
+    fresh = new_row(path, match == NULL ? Py_None : match, 1, size, 0, via, 0, line->shared);
     if (fresh == NULL)
         goto fail;
     /* most objects are met once: one probe inserts the row or finds the object's */
@@ -230,22 +257,56 @@ add_vma(PyObject *rows, PyObject *names, PyObject *unnamed, const struct maps_li
             goto fail;
         if (add_to_item(*row, ROW_MAPPED, size) < 0)
             goto fail;
+        if (host && line->shared && PyList_GET_SIZE(*row) == HOST_ROW_FIELDS &&
+            PyList_SetItem(*row, ROW_SHARED, Py_NewRef(Py_True)) < 0)
+            goto fail;
     }
 done:
+    Py_XDECREF(via);
     Py_XDECREF(fresh);
     Py_XDECREF(key);
     Py_DECREF(path);
     return 0;
 fail:
     *row = NULL;
+    Py_XDECREF(via);
     Py_XDECREF(fresh);
     Py_XDECREF(key);
     Py_DECREF(path);
     return -1;
 }
 
+/* Whether st_dev (major, minor) is in the set `devices` (ints as os.makedev makes them).
+ * Lines and fds repeat few devices: the last answer is kept in *cache. -1 on error. */
+struct device_cache {
+    unsigned long long major, minor;
+    int valid, member;
+};
+
+static int
+on_device(PyObject *devices, unsigned long long major, unsigned long long minor,
+          struct device_cache *cache)
+{
+    PyObject *dev;
+    int member;
+    if (cache->valid && cache->major == major && cache->minor == minor)
+        return cache->member;
+    dev = PyLong_FromUnsignedLongLong((unsigned long long)makedev(major, minor));
+    if (dev == NULL)
+        return -1;
+    member = PySet_Contains(devices, dev);
+    Py_DECREF(dev);
+    if (member < 0)
+        return -1;
+    cache->major = major;
+    cache->minor = minor;
+    cache->valid = 1;
+    cache->member = member;
+    return member;
+}
+
 PyDoc_STRVAR(maps_objects_doc,
-"maps_objects(data, needles, names, /)\n--\n\n"
+"maps_objects(data, needles, names, devices=None, /)\n--\n\n"
 "The objects that the maps lines in `data` (a /proc/PID/maps file) map, among the lines\n"
 "whose path contains one of `needles` (a tuple of non-empty bytes): (rows, unnamed).\n"
 "`rows` maps each object's key, (inode, dev major, dev minor) or the path of an\n"
@@ -254,20 +315,32 @@ PyDoc_STRVAR(maps_objects_doc,
 "caller fill in. `match` is names[path]; a path that `names` maps to None is no match\n"
 "and makes no row; a path `names` lacks gets match None and its key listed in\n"
 "`unnamed`, for the caller to name. `mappings` counts logical mappings: the VMAs one\n"
-"mmap was split into count once. Lines of another shape are skipped.");
+"mmap was split into count once. Lines of another shape are skipped.\n\n"
+"With `devices` (a set of st_dev ints, os.makedev's), the host view: a line is also taken\n"
+"when its object lies on one of them, and each row has five more items: (its first\n"
+"VMA's /proc/PID/map_files name, 0), whether any of its VMAs is MAP_SHARED, and None\n"
+"for the length, mtime and ctime that stat_fds fills in.");
 
 static PyObject *
 maps_objects(PyObject *Py_UNUSED(module), PyObject *args)
 {
     Py_buffer data;
-    PyObject *needles, *names, *rows = NULL, *unnamed = NULL, *previous = NULL;
+    PyObject *needles, *names, *devices = Py_None, *rows = NULL, *unnamed = NULL;
+    PyObject *previous = NULL;
     unsigned long long previous_end = 0, previous_offset_end = 0;
     Py_ssize_t i;
     struct maps_line line;
+    struct device_cache cache = {0, 0, 0, 0};
+    int host;
 
-    if (!PyArg_ParseTuple(args, "y*O!O!:maps_objects", &data, &PyTuple_Type, &needles,
-                          &PyDict_Type, &names))
+    if (!PyArg_ParseTuple(args, "y*O!O!|O:maps_objects", &data, &PyTuple_Type, &needles,
+                          &PyDict_Type, &names, &devices))
         return NULL;
+    host = devices != Py_None;
+    if (host && !PyAnySet_Check(devices)) {
+        PyErr_SetString(PyExc_TypeError, "devices must be a set of ints or None");
+        goto fail;
+    }
     for (i = 0; i < PyTuple_GET_SIZE(needles); i++) {
         PyObject *needle = PyTuple_GET_ITEM(needles, i);
         if (!PyBytes_Check(needle) || PyBytes_GET_SIZE(needle) == 0) {
@@ -286,14 +359,20 @@ maps_objects(PyObject *Py_UNUSED(module), PyObject *args)
             PyObject *row = NULL;
             if (eol == NULL)
                 eol = end;
-            if (parse_maps_line(p, eol, &line) && mentions(line.path, line.path_len, needles)) {
+            int wanted = parse_maps_line(p, eol, &line);
+            if (wanted && !mentions(line.path, line.path_len, needles)) {
+                wanted = host ? on_device(devices, line.major, line.minor, &cache) : 0;
+                if (wanted < 0)
+                    goto fail;
+            }
+            if (wanted) {
                 /* maps is sorted by address: a VMA that starts where the previous line's
                  * ended, of the same object, at the next offset of the file, is the
                  * rest of one mmap split by madvise or mprotect (an anonymous VMA shows
                  * offset 0 whatever its part: its address decides) */
                 int joined = previous != NULL && previous_end == line.start &&
                              (line.inode == 0 || previous_offset_end == line.offset);
-                if (add_vma(rows, names, unnamed, &line, previous, joined, &row) < 0)
+                if (add_vma(rows, names, unnamed, &line, previous, joined, host, &row) < 0)
                     goto fail;
                 previous_end = line.end;
                 previous_offset_end = line.offset + (line.end - line.start);
@@ -454,9 +533,47 @@ struct fd_stat {
     struct statx st;
 };
 
-/* One statx-ed fd: counted in the row of its object, or kept for a link read. */
+static double
+stamp(const struct statx_timestamp *t)
+{
+    return (double)t->tv_sec + (double)t->tv_nsec * 1e-9;
+}
+
+/* A host row's length and times, from the fd that measured its pages. */
 static int
-add_fd(PyObject *entry, const struct fd_stat *got, PyObject *rows, PyObject *unmatched)
+set_facts(PyObject *row, const struct statx *st)
+{
+    if (PyList_GET_SIZE(row) != HOST_ROW_FIELDS)
+        return 0;
+    if (PyList_SetItem(row, ROW_SIZE, PyLong_FromUnsignedLongLong(st->stx_size)) < 0 ||
+        PyList_SetItem(row, ROW_MTIME, PyFloat_FromDouble(stamp(&st->stx_mtime))) < 0 ||
+        PyList_SetItem(row, ROW_CTIME, PyFloat_FromDouble(stamp(&st->stx_ctime))) < 0)
+        return -1;
+    return 0;
+}
+
+/* A host row for an object held by an fd and not mapped (by the fd's entry). */
+static int
+add_fd_row(PyObject *rows, PyObject *key, PyObject *entry, const struct statx *st)
+{
+    PyObject *row = new_row(Py_None, Py_None, 0, 0, 1, entry, 1, 0), *allocated;
+    int rc = -1;
+    if (row == NULL)
+        return -1;
+    allocated = PyLong_FromUnsignedLongLong((unsigned long long)st->stx_blocks * 512);
+    if (allocated != NULL && PyList_SetItem(row, ROW_ALLOCATED, allocated) == 0 &&
+        set_facts(row, st) == 0)
+        rc = PyDict_SetItem(rows, key, row);
+    Py_DECREF(row);
+    return rc;
+}
+
+/* One statx-ed fd: counted in the row of its object, or kept for a link read. With
+ * `devices` (the host view), an fd on none of them is no object and one on them that no
+ * row has becomes a row of its own. */
+static int
+add_fd(PyObject *entry, const struct fd_stat *got, PyObject *rows, PyObject *unmatched,
+       PyObject *devices, struct device_cache *cache)
 {
     PyObject *key, *row, *allocated;
     int rc = -1;
@@ -465,6 +582,11 @@ add_fd(PyObject *entry, const struct fd_stat *got, PyObject *rows, PyObject *unm
         return 0; /* closed since the listing, or the process is gone */
     if (got->error)
         return PyList_Append(unmatched, entry); /* its filesystem refused: its link tells */
+    if (devices != Py_None) {
+        int member = on_device(devices, got->st.stx_dev_major, got->st.stx_dev_minor, cache);
+        if (member <= 0)
+            return member;
+    }
     key = identity(got->st.stx_ino, got->st.stx_dev_major, got->st.stx_dev_minor);
     if (key == NULL)
         return -1;
@@ -472,8 +594,11 @@ add_fd(PyObject *entry, const struct fd_stat *got, PyObject *rows, PyObject *unm
     if (row == NULL) {
         /* not a mapped object: a regular file (memfds and shm files are) may still be a
          * matched fd held unmapped, which its link tells */
-        if (!PyErr_Occurred())
-            rc = S_ISREG(got->st.stx_mode) ? PyList_Append(unmatched, entry) : 0;
+        if (!PyErr_Occurred() && !S_ISREG(got->st.stx_mode))
+            rc = 0;
+        else if (!PyErr_Occurred())
+            rc = devices != Py_None ? add_fd_row(rows, key, entry, &got->st)
+                                    : PyList_Append(unmatched, entry);
         goto done;
     }
     if (row_check(row) < 0 || add_to_item(row, ROW_FDS, 1) < 0)
@@ -482,6 +607,8 @@ add_fd(PyObject *entry, const struct fd_stat *got, PyObject *rows, PyObject *unm
     if (PyList_GET_ITEM(row, ROW_ALLOCATED) == Py_None) { /* its pages, from its first fd */
         allocated = PyLong_FromUnsignedLongLong((unsigned long long)got->st.stx_blocks * 512);
         rc = allocated == NULL ? -1 : PyList_SetItem(row, ROW_ALLOCATED, allocated);
+        if (rc == 0)
+            rc = set_facts(row, &got->st);
     }
 done:
     Py_DECREF(key);
@@ -489,27 +616,39 @@ done:
 }
 
 PyDoc_STRVAR(stat_fds_doc,
-"stat_fds(dir_fd, entries, rows, deadline, /)\n--\n\n"
+"stat_fds(dir_fd, entries, rows, deadline, devices=None, /)\n--\n\n"
 "statx every fd named in `entries` (a list of bytes) of the open /proc/PID/fd directory\n"
 "`dir_fd`, and count each fd that refers to an object of `rows` (as maps_objects returns\n"
 "them) in its row: its fds, and from the first its allocated bytes (st_blocks * 512).\n"
 "Returns (unmatched, read): the entries a link read must decide (regular files that are none of `rows`, and fds the kernel\n"
 "refused to stat) and how many entries were read: fewer than all when `deadline` (a\n"
 "time.monotonic() value, or None) passed first; it is looked at before every 256 fds.\n"
-"Fds closed since the listing are skipped. The GIL is released while the kernel works.");
+"Fds closed since the listing are skipped. The GIL is released while the kernel works.\n\n"
+"With `devices` (a set of st_dev ints; rows as maps_objects makes them with devices), the\n"
+"host view: fds on none of those devices are skipped, a row's first fd also fills in its\n"
+"length, mtime and ctime, and a regular file that no row has gets a row of its own\n"
+"([None, None, 0, 0, fds, allocated, None, (entry, 1), False, size, mtime, ctime]);\n"
+"only fds the kernel refused to stat are returned.");
 
 static PyObject *
 stat_fds(PyObject *Py_UNUSED(module), PyObject *args)
 {
     int dir_fd;
-    PyObject *entries, *rows, *deadline_arg, *batch[BATCH], *unmatched;
+    PyObject *entries, *rows, *deadline_arg, *batch[BATCH], *unmatched, *devices = Py_None;
     double deadline = 0;
     Py_ssize_t total, first, i, n, read = 0;
     struct fd_stat *got;
+    struct device_cache cache = {0, 0, 0, 0};
+    unsigned int wanted;
 
-    if (!PyArg_ParseTuple(args, "iO!O!O:stat_fds", &dir_fd, &PyList_Type, &entries,
-                          &PyDict_Type, &rows, &deadline_arg))
+    if (!PyArg_ParseTuple(args, "iO!O!O|O:stat_fds", &dir_fd, &PyList_Type, &entries,
+                          &PyDict_Type, &rows, &deadline_arg, &devices))
         return NULL;
+    if (devices != Py_None && !PyAnySet_Check(devices)) {
+        PyErr_SetString(PyExc_TypeError, "devices must be a set of ints or None");
+        return NULL;
+    }
+    wanted = devices == Py_None ? WANTED : WANTED_HOST;
     if (deadline_arg != Py_None) {
         deadline = PyFloat_AsDouble(deadline_arg);
         if (deadline == -1.0 && PyErr_Occurred())
@@ -541,10 +680,10 @@ stat_fds(PyObject *Py_UNUSED(module), PyObject *args)
         Py_BEGIN_ALLOW_THREADS
         for (i = 0; i < n; i++)
             got[i].error = statx(dir_fd, PyBytes_AS_STRING(batch[i]), AT_STATX_DONT_SYNC,
-                                 WANTED, &got[i].st) == 0 ? 0 : errno;
+                                 wanted, &got[i].st) == 0 ? 0 : errno;
         Py_END_ALLOW_THREADS
         for (i = 0; i < n; i++) {
-            if (add_fd(batch[i], &got[i], rows, unmatched) < 0) {
+            if (add_fd(batch[i], &got[i], rows, unmatched, devices, &cache) < 0) {
                 for (; i < n; i++)
                     Py_DECREF(batch[i]);
                 goto fail;

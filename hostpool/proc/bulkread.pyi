@@ -8,7 +8,11 @@ Key = Identity | bytes
 Row = list[Any]
 
 def maps_objects(
-    data: bytes, needles: tuple[bytes, ...], names: dict[bytes, Any], /
+    data: bytes,
+    needles: tuple[bytes, ...],
+    names: dict[bytes, Any],
+    devices: set[int] | frozenset[int] | None = None,
+    /,
 ) -> tuple[dict[Key, Row], list[Key]]: ...
 def stat_fd(dir_fd: int, name: bytes, /) -> tuple[Identity, int, int]: ...
 def stat_fds(
@@ -16,6 +20,7 @@ def stat_fds(
     entries: list[bytes],
     rows: dict[Key, Row],
     deadline: float | None,
+    devices: set[int] | frozenset[int] | None = None,
     /,
 ) -> tuple[list[bytes], int]: ...
 def pool_totals(rows: dict[Key, Row], /) -> dict[Any, list[int]]: ...

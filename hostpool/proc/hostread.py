@@ -1,0 +1,209 @@
+"""Every shared-memory object a process holds, whatever its name: the host view's read of
+one process's maps and fds, through the same C loops as the exporter's (`bulkread`).
+
+An object is shared memory when its inode lies on a shared-memory device: the kernel's
+internal shmem mount (memfds, SysV segments, MAP_SHARED|MAP_ANONYMOUS memory, which maps
+shows as `/dev/zero (deleted)`), the internal hugetlbfs mounts (hugetlb memfds,
+`/anon_hugepage`), and every tmpfs or hugetlbfs mount the caller found. The device, not
+the name, decides: a file named `memfd:x` on ext4 is no object, and a memfd named
+anything is one. maps is split on `\\n` only (a name may hold any other byte).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Final, Literal
+
+from hostpool.proc import bulkread
+from hostpool.proc.procfs import (
+    GONE,
+    Pid,
+    ProcessAccessError,
+    ProcessNotFoundError,
+    open_fd_dir,
+    read_proc_bytes,
+)
+from hostpool.proc.scan import ROW_ALLOCATED, ROW_MATCH, ROW_PATH, Key, Row
+
+# a host row: the exporter's seven fields (hostpool.proc.scan.ROW_*), then these
+HROW_VIA, HROW_SHARED, HROW_SIZE, HROW_MTIME, HROW_CTIME = range(7, 12)
+
+Hint = Literal["memfd", "sysv", "anon", "file"]
+PathInfo = tuple[Hint, str]  # what a path says: (kind hint, name)
+
+_DELETED: Final = " (deleted)"
+_ANON_PATHS: Final = ("/dev/zero", "/anon_hugepage")  # shmem_zero_setup, MAP_HUGETLB
+_MFD_CLOEXEC, _MFD_HUGETLB, _MFD_HUGE_SHIFT = 0x1, 0x4, 26
+_HUGEPAGES: Final = "/sys/kernel/mm/hugepages"
+
+
+@dataclass(frozen=True, slots=True)
+class InternalDevices:
+    """The kernel's own shared-memory mounts, as st_dev: shmem's (memfds, SysV, shared
+    anonymous memory) and one hugetlbfs per huge page size."""
+
+    shmem: int
+    hugetlb: frozenset[int]
+
+
+@lru_cache(maxsize=1)
+def internal_devices() -> InternalDevices:
+    """Found by making (and closing at once) an empty memfd of each kind: the kernel
+    names no other way to them. Fixed for the boot: asked once."""
+    fd = os.memfd_create("hostpool-probe", _MFD_CLOEXEC)
+    try:
+        shmem = os.fstat(fd).st_dev
+    finally:
+        os.close(fd)
+    hugetlb = set()
+    try:
+        sizes = os.listdir(_HUGEPAGES)
+    except OSError:
+        sizes = []
+    for entry in sizes:  # hugepages-2048kB
+        kib = entry.removeprefix("hugepages-").removesuffix("kB")
+        if not kib.isdigit():
+            continue
+        shift = (int(kib) * 1024).bit_length() - 1
+        try:  # an empty hugetlb memfd reserves nothing
+            fd = os.memfd_create("hostpool-probe", _MFD_CLOEXEC | _MFD_HUGETLB | shift << 26)
+        except OSError:
+            continue
+        try:
+            hugetlb.add(os.fstat(fd).st_dev)
+        finally:
+            os.close(fd)
+    return InternalDevices(shmem, frozenset(hugetlb))
+
+
+def classify(path: bytes) -> PathInfo:
+    """What a maps path or fd link says of an object on a shared-memory device: its kind
+    hint and name (the device decides the kind in the end: hostpool.host.scan)."""
+    text = path.decode(errors="surrogateescape").removesuffix(_DELETED)
+    if text.startswith("/memfd:"):
+        return "memfd", text[len("/memfd:") :]
+    if text.startswith("/SYSV") and len(text) == 13:  # `/SYSV%08x`, the segment's key
+        return "sysv", "0x" + text[5:]
+    if text in _ANON_PATHS:
+        return "anon", text
+    return "file", text
+
+
+def key_identity(key: Key) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of a row key; None for an inode-less one (a path)."""
+    if isinstance(key, bytes):
+        return None
+    ino, major, minor = key
+    return os.makedev(major, minor), ino
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessObjects:
+    """The objects one process holds: a host row per object (`HROW_*`), each named."""
+
+    pid: int
+    rows: dict[Key, Row]
+    complete: bool  # False when the deadline stopped the fd reading part way
+
+
+class HostReader:
+    """Reads processes against one set of shared-memory devices. Paths met are
+    classified once and kept for the reader's life (one scan)."""
+
+    def __init__(self, devices: Collection[int]) -> None:
+        self.devices = set(devices)
+        self.paths: dict[bytes, PathInfo] = {}
+        self.named: dict[Key, PathInfo] = {}  # fd-only objects named by a link already
+
+    def read(self, pid: Pid, *, deadline: float | None = None) -> ProcessObjects:
+        """Every object on the devices that `pid` maps or holds an fd for. Raises
+        ProcessNotFoundError / ProcessAccessError like the other readers."""
+        data = read_proc_bytes(pid, f"/proc/{pid}/maps")
+        rows, unnamed = bulkread.maps_objects(data, (), self.paths, self.devices)
+        for key in unnamed:
+            row = rows[key]
+            info = self.paths.get(row[ROW_PATH])
+            if info is None:
+                info = self.paths[row[ROW_PATH]] = classify(row[ROW_PATH])
+            row[ROW_MATCH] = info
+        fd_dir, dir_fd = open_fd_dir(pid)
+        try:
+            try:
+                entries = os.listdir(os.fsencode(fd_dir))
+            except GONE:
+                raise ProcessNotFoundError(pid) from None
+            except PermissionError:
+                raise ProcessAccessError(pid, fd_dir) from None
+            _refused, read = bulkread.stat_fds(dir_fd, entries, rows, deadline, self.devices)
+            # fd-only objects: named by their link, once per object
+            for key, row in list(rows.items()):
+                if row[ROW_MATCH] is None:
+                    self._name_by_link(pid, fd_dir, dir_fd, key, row, rows)
+        finally:
+            os.close(dir_fd)
+        real_pid = os.getpid() if pid == "self" else pid
+        return ProcessObjects(real_pid, rows, read == len(entries))
+
+    def _name_by_link(
+        self, pid: Pid, fd_dir: str, dir_fd: int, key: Key, row: Row, rows: dict[Key, Row]
+    ) -> None:
+        info = self.named.get(key)
+        if info is None:
+            try:
+                target = os.readlink(row[HROW_VIA][0], dir_fd=dir_fd)
+            except GONE:
+                del rows[key]  # closed since it was stat-ed
+                return
+            except PermissionError:
+                raise ProcessAccessError(pid, fd_dir) from None
+            except OSError:  # a link the kernel cannot spell (ENAMETOOLONG)
+                target = b"?"
+            info = self.named[key] = classify(target)
+            row[ROW_PATH] = target
+        row[ROW_MATCH] = info
+
+
+def map_files_stat(pid: int, via: bytes) -> os.stat_result | None:
+    """The stat of the object behind a process's VMA (/proc/PID/map_files/START-END:
+    root with CAP_SYS_ADMIN only), None when gone or refused."""
+    try:
+        return os.stat(b"/proc/%d/map_files/%s" % (pid, via))
+    except OSError:
+        return None
+
+
+def smaps_resident(pid: int, keys: Collection[Key]) -> dict[Key, int]:
+    """Rss + hugetlb pages of `pid`'s VMAs of the objects `keys`, from smaps (for those
+    map_files refused). Lines split on `\\n` only; a process gone gives {}."""
+    try:
+        data = read_proc_bytes(pid, f"/proc/{pid}/smaps")
+    except (ProcessNotFoundError, ProcessAccessError):
+        return {}
+    out: dict[Key, int] = {}
+    current: Key | None = None
+    for line in data.split(b"\n"):
+        if not line:
+            continue
+        if line[:1] in b"0123456789abcdef" and b"-" in line[:17]:
+            fields = line.split(b" ", 5)
+            current = None
+            if len(fields) >= 5:
+                major, _, minor = fields[3].partition(b":")
+                ino = int(fields[4])
+                path = fields[5].lstrip(b" ") if len(fields) > 5 else b""
+                key: Key = (ino, int(major, 16), int(minor, 16)) if ino else path
+                current = key if key in keys else None
+        elif current is not None and (
+            line.startswith(b"Rss:") or line.startswith((b"Shared_Hugetlb:", b"Private_Hugetlb:"))
+        ):
+            out[current] = out.get(current, 0) + int(line.split()[1]) * 1024
+    return out
+
+
+def held_bytes(row: Row) -> int | None:
+    """The pages a row's first fd measured (st_blocks * 512), None if no fd did."""
+    value: int | None = row[ROW_ALLOCATED]
+    return value
