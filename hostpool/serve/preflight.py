@@ -14,13 +14,19 @@ to be writable by this process and to have their bytes free: an AllocationError 
 the directory, the bytes needed and those free (exit 1), before a page is allocated.
 
 So is every problem of the share socket's path (too long, on /proc or a read-only
-filesystem, an unsafe directory, something else or a live server there): ConfigError,
-or ShareSocketInUseError, found without creating anything.
+filesystem, an unsafe directory, one this user cannot write in, something else or a live
+server there): ConfigError, or ShareSocketInUseError, found without creating anything.
+
+Two limits of this process are checked against what the pools will hold: the cgroup's
+free memory (limit minus usage, the tightest of this cgroup and its ancestors) for the
+normal pages, and RLIMIT_NOFILE for the fds the regions keep open (one per chunk of a
+shm pool) on top of those open now: an AllocationError (exit 1) each, with the figures.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 
 from hostpool.base.units import format_size
 from hostpool.core.budget import Admission
@@ -29,6 +35,7 @@ from hostpool.errors import (
     ConfigError,
     HostPoolError,
     HugepageUnavailableError,
+    ShareSocketInUseError,
 )
 from hostpool.memory import cgroup, kernel
 from hostpool.memory.options import RegionOptions
@@ -136,6 +143,17 @@ def check(cfg: ServeConfig) -> None:
             need_bytes=normal_bytes,
             limit_bytes=cg.limit,
         )
+    if cg is not None and normal_bytes > cg.free:
+        raise AllocationError(
+            f"pools need {format_size(normal_bytes)} ({_listing(normal)}), more than the "
+            f"cgroup has free: {format_size(cg.free)} (limit {format_size(cg.limit)} minus "
+            f"usage {format_size(cg.usage)}, {cg.source})",
+            reason="no_memory",
+            need_bytes=normal_bytes,
+            available_bytes=cg.free,
+            limit_bytes=cg.limit,
+        )
+    check_fd_limit(list(cfg.pools))
     pools = kernel.hugepage_pools()
     for size, specs in huge.items():
         need = sum(-(-p.size // size) * size for p in specs)
@@ -165,4 +183,52 @@ def check(cfg: ServeConfig) -> None:
             pass
     if cfg.share_socket:
         # `hostpool serve` lets only its own uid attach (PoolShareServer's default).
-        SocketPath(cfg.share_socket, open_to_others=False).check()
+        where = SocketPath(cfg.share_socket, open_to_others=False)
+        try:
+            where.check()
+        except ShareSocketInUseError:  # always the last problem found: report others first
+            check_socket_directory(where.directory)
+            raise
+        check_socket_directory(where.directory)
+
+
+def check_socket_directory(directory: str) -> None:
+    """ConfigError if the share socket's directory exists and this user cannot create the
+    socket in it (SocketPath.check() accepts a root-owned 0755 directory for any uid, and
+    listen() would then fail with EACCES after the pools were populated)."""
+    if os.path.isdir(directory) and not os.access(directory, os.W_OK | os.X_OK):
+        st = os.stat(directory)
+        raise ConfigError(
+            f"share socket directory {directory} (owner uid {st.st_uid}, mode "
+            f"{st.st_mode & 0o7777:o}) is not writable by this user (uid {os.geteuid()}): "
+            "use a directory of this user, or a missing one, which is created private"
+        )
+
+
+def regions_with_fds(pools: list[PoolSpec]) -> int:
+    """The fds the pools' regions keep open: one per chunk of a shm pool (memfd, or a
+    file in its shm directory); mmap and default pools keep none."""
+    return sum(-(-p.size // p.chunk) for p in pools if p.allocator == "shm")
+
+
+def check_fd_limit(pools: list[PoolSpec]) -> None:
+    """AllocationError (reason fd_limit) unless the regions' fds fit RLIMIT_NOFILE (soft)
+    beside the fds this process has open now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = regions_with_fds(pools)
+    if soft == resource.RLIM_INFINITY or need == 0:
+        return
+    try:
+        open_now = len(os.listdir("/proc/self/fd")) - 1  # the listing's own fd
+    except OSError:
+        return  # no /proc: the first region past the limit says it (EMFILE)
+    if open_now + need > soft:
+        shm = [p for p in pools if p.allocator == "shm"]
+        listed = ", ".join(f"{p.name} {-(-p.size // p.chunk)}" for p in shm)
+        raise AllocationError(
+            f"the pools' regions keep {need} fds open ({listed}: one per chunk), and "
+            f"{open_now} are open already, more than RLIMIT_NOFILE {soft} (hard {hard}): "
+            "raise it (ulimit -n, LimitNOFILE= in a systemd unit) or give the pools a "
+            "larger chunk",
+            reason="fd_limit",
+        )
