@@ -12,9 +12,10 @@ allocation path even when nothing prints it.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any
+
+from hostpool.base import fork
 
 stdlib_logger = logging.getLogger("hostpool")
 _log: Any = None
@@ -39,7 +40,7 @@ def _before_fork() -> None:
         _structlog()
 
 
-os.register_at_fork(before=_before_fork)
+fork.on_fork(__name__, before=_before_fork)
 
 
 def emit(event: str, level: int = logging.INFO, **fields: Any) -> None:

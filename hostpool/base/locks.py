@@ -2,14 +2,15 @@
 
 A child forked while another parent thread held a lock inherits it held, with no thread
 left to release it: the child's next allocation would hang. Every lock hostpool owns is a
-`ForkSafeLock`, replaced in the child by `os.register_at_fork(after_in_child=...)`.
+`ForkSafeLock`, replaced in the child by its fork hook (`hostpool.base.fork`), the first to run.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
+
+from hostpool.base import fork
 
 _every: weakref.WeakSet[ForkSafeLock] = weakref.WeakSet()
 
@@ -45,4 +46,4 @@ def _after_fork_in_child() -> None:
         lock._lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+fork.on_fork(__name__, stage=fork.LOCKS, after_in_child=_after_fork_in_child)

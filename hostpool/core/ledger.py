@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from hostpool.base import fork
 from hostpool.base.locks import ForkSafeLock
 from hostpool.core.ledger_events import emit_fd_reused, emit_leaks, emit_releases
 from hostpool.core.notices import Gone, notify_dropped, notify_gone
@@ -390,7 +391,7 @@ class Ledger:
 
 
 _ledger = Ledger()
-os.register_at_fork(after_in_child=_ledger._after_fork_in_child)
+fork.on_fork(__name__, after_in_child=_ledger._after_fork_in_child)
 
 
 def get_ledger() -> Ledger:

@@ -10,7 +10,6 @@ names as plain metrics with explicit `multiprocess_mode`, refreshed by a thread.
 from __future__ import annotations
 
 import functools
-import os
 import time
 import weakref
 from collections import Counter, defaultdict
@@ -27,6 +26,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from hostpool._version import __version__
+from hostpool.base import fork
 from hostpool.base.locks import ForkSafeLock
 from hostpool.base.units import format_size
 from hostpool.core.budget import LIMITS, admissions, budget_view
@@ -285,7 +285,7 @@ def _reset_publish_errors_in_child() -> None:
     _publish_errors.clear()
 
 
-os.register_at_fork(after_in_child=_reset_publish_errors_in_child)
+fork.on_fork(__name__, after_in_child=_reset_publish_errors_in_child)
 
 
 @functools.lru_cache(maxsize=16)

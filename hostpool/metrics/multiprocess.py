@@ -20,7 +20,7 @@ failure is counted in `hostpool_publish_errors_total{kind}` (shown by the first 
 that succeeds) and logged once per kind, and the thread tries again every `interval`.
 `ensure_publisher()` is the one entry point for server integrations (sglang, vLLM): call it
 after an allocation; it starts this process's publisher once and never raises. A forked
-child gets its own publisher (`os.register_at_fork`): a fork waits for a publish in flight,
+child gets its own publisher (its hook in `hostpool.base.fork`): a fork waits for a publish in flight,
 so the child never inherits prometheus_client's lock held by a thread it does not have.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 
 from prometheus_client import values
 
-from hostpool.base import events
+from hostpool.base import events, fork
 from hostpool.base.locks import ForkSafeLock
 from hostpool.core.ledger import Ledger, get_ledger
 from hostpool.metrics.collector import METRICS, count_publish_error, measure
@@ -309,7 +309,8 @@ def _after_fork_in_child() -> None:
     _current = child
 
 
-os.register_at_fork(
+fork.on_fork(
+    __name__,
     before=_before_fork,
     after_in_parent=_after_fork_in_parent,
     after_in_child=_after_fork_in_child,
