@@ -11,10 +11,21 @@ SERVE_ARGS ?=
 
 .PHONY: run test test-fast lint bench soak dashboards prometheus sglang-libs vllm-venv clean
 
-$(STAMP): pyproject.toml setup.py hostpool-instrument.pth requirements/sglang-test.txt hostpool/proc/bulkread.c
+SERVE_STAMP := $(VENV)/.serve-stamp
+
+# What `hostpool serve` needs, and nothing else: CPU torch, then hostpool with its runtime
+# dependencies (venv's own pip builds an editable install; upgrading it costs seconds).
+$(SERVE_STAMP): pyproject.toml setup.py hostpool-instrument.pth hostpool/proc/bulkread.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e .
+	touch $(SERVE_STAMP)
+
+# Everything the tests, lint and benchmarks need, on top of the serve install. Not a file
+# prerequisite of it: a venv installed whole before the split stays up to date.
+$(STAMP): pyproject.toml setup.py hostpool-instrument.pth requirements/sglang-test.txt hostpool/proc/bulkread.c
+	$(MAKE) --no-print-directory $(SERVE_STAMP)
+	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	# The real sglang for tests/sglang: a pinned closure without sglang's GPU dependencies.
 	$(PY) -m pip install -q --no-deps -c <(echo "$(TORCH_SPEC)") -r requirements/sglang-test.txt
@@ -52,7 +63,8 @@ prometheus:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
-run: $(STAMP)
+# A venv already installed whole serves as it is; a fresh one gets only the serve install.
+run: $(if $(wildcard $(STAMP)),$(STAMP),$(SERVE_STAMP))
 	exec $(VENV)/bin/hostpool serve $(SERVE_ARGS)
 
 test: $(STAMP) $(VLLM_STAMP) prometheus sglang-libs
