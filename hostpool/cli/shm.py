@@ -1,0 +1,123 @@
+"""`hostpool shm`: every shared-memory object on this host, whoever made it, who holds
+it, and what is orphaned (hostpool.host.scan).
+
+For people: one line per object, grouped by engine (sizes in units, orphans marked,
+every name read from /proc escaped), the totals last. `--json`: the document of
+docs/host-view.md (`{"objects": [...], "totals": {...}}`, exact bytes). `--engine`
+(repeatable) and `--orphans` filter the objects listed; the totals are the host's.
+
+Exit codes: 0 ok; 2 bad usage; 1 the scan could not run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable
+from typing import TextIO
+
+from hostpool.base.units import format_duration, format_size
+from hostpool.cli.command import Subcommand
+from hostpool.host.model import ENGINES, HostObject, HostView
+from hostpool.proc.textsafe import printable
+
+_HOLDERS_SHOWN = 3  # holders named per line; the rest counted
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Its flags."""
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--engine",
+        action="append",
+        choices=ENGINES,
+        metavar="NAME",
+        help=f"list only this engine's objects (repeatable; one of {', '.join(ENGINES)})",
+    )
+    p.add_argument("--orphans", action="store_true", help="list only orphaned objects")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hostpool.host.scan import scan_host  # lazy: `hostpool --help` reads no /proc
+
+    view = scan_host()
+    objects = select(view.objects, engines=args.engine, orphans=args.orphans)
+    if args.json:
+        doc = view.as_json()
+        doc["objects"] = [o.as_json() for o in objects]
+        json.dump(doc, sys.stdout, separators=(",", ":"))
+        sys.stdout.write("\n")
+    else:
+        render(view, objects, sys.stdout)
+    return 0
+
+
+def select(
+    objects: Iterable[HostObject], *, engines: list[str] | None, orphans: bool
+) -> list[HostObject]:
+    """The objects the filters keep, in the scan's order."""
+    return [
+        o for o in objects if (not engines or o.engine in engines) and (not orphans or o.orphan)
+    ]
+
+
+def render(view: HostView, objects: list[HostObject], out: TextIO) -> None:
+    """The text for people (see the module's docstring)."""
+    by_engine: dict[str, list[HostObject]] = {}
+    for o in objects:
+        by_engine.setdefault(o.engine, []).append(o)
+    for engine in ENGINES:
+        group = by_engine.get(engine)
+        if not group:
+            continue
+        resident = sum(o.resident_bytes for o in group)
+        out.write(f"{engine}: {len(group)} object(s), {format_size(resident)} resident\n")
+        for o in group:
+            out.write("  " + _line(o) + "\n")
+    t = view.totals
+    out.write(
+        f"Shmem {format_size(t.shmem_bytes)}: attributed {format_size(t.attributed_bytes)},"
+        f" unattributed {format_size(t.unattributed_bytes)},"
+        f" orphaned {format_size(t.orphaned_bytes)}"
+    )
+    if t.hugetlb_bytes:
+        out.write(
+            f"; hugetlb {format_size(t.hugetlb_bytes)}"
+            f" (orphaned {format_size(t.hugetlb_orphaned_bytes)})"
+        )
+    out.write("\n")
+    if view.unreadable or not view.complete:
+        out.write(
+            f"note: {view.unreadable} process(es) unreadable"
+            + ("" if view.complete else "; the scan was cut short")
+            + ": objects only they hold show as orphans\n"
+        )
+
+
+def _line(o: HostObject) -> str:
+    where = printable(o.path) if o.path is not None else printable(o.name) or "-"
+    state = "ORPHAN" if o.orphan else _holders(o)
+    extra = f" shmid={o.shmid}" if o.shmid is not None else ""
+    extra += " hugetlb" if o.hugetlb else ""
+    extra += f" pool={printable(o.pool)}" if o.pool is not None else ""
+    age = "" if o.age_seconds is None else f" age {format_duration(o.age_seconds)}"
+    return (
+        f"{o.kind:<11} {format_size(o.resident_bytes):>10} of {format_size(o.size_bytes):<10}"
+        f" {where}{extra}{age}  {state}"
+    )
+
+
+def _holders(o: HostObject) -> str:
+    shown = ", ".join(f"{h.pid}/{printable(h.comm)}" for h in o.holders[:_HOLDERS_SHOWN])
+    more = len(o.holders) - _HOLDERS_SHOWN
+    return f"held by {shown}" + (f" +{more}" if more > 0 else "")
+
+
+COMMAND = Subcommand(
+    name="shm",
+    help="every shared-memory object on this host: engine, holders, orphans, totals",
+    description=__doc__.split("\n\n")[0].replace("\n", " ") if __doc__ else None,
+    add_arguments=add_arguments,
+    run=run,
+)
