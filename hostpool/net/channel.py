@@ -1,33 +1,67 @@
 """The connections of hostpool's HTTP listener (hostpool.net.listener): plain and TLS.
 
 `Channel` is waitress's HTTPChannel remembering when the request now arriving started
-(for the listener's request deadline). `TLSChannel` runs TLS over an `ssl.SSLSocket`
-wrapped with `do_handshake_on_connect=False`: the handshake proceeds on the event loop as
-the socket becomes readable or writable (SSLWantRead/SSLWantWrite), never blocking it;
-until it is done the connection counts as a request arriving, so the request deadline
-closes a client that stalls in it. Reads take a whole TLS record at a time and drain what
-OpenSSL holds decrypted; a send that OpenSSL cannot finish returns 0 and is retried from
-waitress's buffer. Every call into the TLS object holds the connection's lock: waitress's
-worker threads send as well as its loop.
+(for the listener's request deadline), and telling the application whether its client
+has gone (`environ["hostpool.client_gone"]`, a callable: the peer closed or reset the
+connection, seen by poll() without reading, so it works while waitress does not read).
+
+`TLSChannel` runs TLS over an `ssl.SSLSocket` wrapped with `do_handshake_on_connect=False`:
+the handshake proceeds on the event loop as the socket becomes readable or writable
+(SSLWantRead/SSLWantWrite), never blocking it; until it is done the connection counts as
+a request arriving, so the request deadline closes a client that stalls in it. Reads take
+a whole TLS record at a time and drain what OpenSSL holds decrypted; a send that OpenSSL
+cannot finish returns 0 and is retried from waitress's buffer. Every call into the TLS
+object holds the connection's lock: waitress's worker threads send as well as its loop.
 """
 
 from __future__ import annotations
 
+import select
 import ssl
 import threading
 import time
 from typing import Any, cast
 
 from waitress.channel import HTTPChannel
+from waitress.task import WSGITask
 
 _TLS_RECORD = 16384  # a TLS record's most plaintext: one recv() takes a whole record
+
+
+_GONE = select.POLLRDHUP | select.POLLHUP | select.POLLERR
+
+
+class _Task(WSGITask):
+    """waitress's WSGI task, with `hostpool.client_gone` in the environ."""
+
+    def get_environment(self) -> dict[str, Any]:
+        environ: dict[str, Any] = super().get_environment()
+        environ["hostpool.client_gone"] = cast(Channel, self.channel).client_gone
+        return environ
 
 
 class Channel(HTTPChannel):
     """Remembers when the request now arriving started, for the request deadline."""
 
+    task_class = _Task
     request_started: float | None = None
     handshaking = False  # a TLS handshake not done yet
+
+    def client_gone(self) -> bool:
+        """Whether the peer has closed or reset the connection, so no answer will be
+        read (a client that only shut down its sending side counts as gone)."""
+        sock = self.socket
+        if sock is None or not self.connected:
+            return True
+        try:
+            fd = sock.fileno()
+        except OSError:
+            return True
+        if fd < 0:
+            return True
+        poller = select.poll()
+        poller.register(fd, _GONE)
+        return bool(poller.poll(0))
 
     def received(self, data: bytes) -> bool:
         if self.request is None and data:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import resource
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -68,29 +69,59 @@ class Backoff:
 
 class Throttle:
     """At most one warning event per (event, key) per `interval` seconds; the ones held
-    back are counted into the next (its `count` field), or into `flush()`."""
+    back are counted into the next (its `count` field), or logged with their count once
+    the interval has passed: by `flush()`, or by a timer when no one calls it (a flood's
+    tail is told even if nothing follows). Safe to call from any thread."""
 
     def __init__(self, interval: float = 1.0) -> None:
         self.interval = interval
         self._last: dict[tuple[str, object], float] = {}
         self._held: dict[tuple[str, object], tuple[int, dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
 
     def warning(self, event: str, key: object, **fields: Any) -> None:
         now = time.monotonic()
         slot = (event, key)
-        if now - self._last.get(slot, -self.interval) >= self.interval:
-            self._last[slot] = now
-            folded, _ = self._held.pop(slot, (0, {}))
-            events.warning(event, count=folded + 1, **fields)
-        else:
-            n, _ = self._held.get(slot, (0, {}))
-            self._held[slot] = (n + 1, fields)
+        with self._lock:
+            last = self._last.get(slot)
+            if last is None or now - last >= self.interval:
+                self._last[slot] = now
+                folded, _ = self._held.pop(slot, (0, {}))
+                count = folded + 1
+            else:
+                n, _ = self._held.get(slot, (0, {}))
+                self._held[slot] = (n + 1, fields)
+                self._arm(last + self.interval - now)
+                return
+        events.warning(event, count=count, **fields)
 
     def flush(self) -> None:
         """Emit what was held back once its interval has passed (a flood's tail)."""
         now = time.monotonic()
-        for slot, (n, fields) in list(self._held.items()):
-            if now - self._last.get(slot, 0.0) >= self.interval:
-                del self._held[slot]
-                self._last[slot] = now
-                events.warning(slot[0], count=n, **fields)
+        due = []
+        with self._lock:
+            for slot, (n, fields) in list(self._held.items()):
+                last = self._last.get(slot, 0.0)
+                if now - last >= self.interval:
+                    del self._held[slot]
+                    self._last[slot] = now
+                    due.append((slot[0], n, fields))
+                else:
+                    self._arm(last + self.interval - now)
+        for event, n, fields in due:
+            events.warning(event, count=n, **fields)
+
+    def _arm(self, delay: float) -> None:
+        """A timer that flushes in `delay` seconds, unless one is set (under the lock). A
+        timer inherited over fork() is not alive in the child: a new one is set there."""
+        if self._timer is not None and self._timer.is_alive():
+            return
+        self._timer = threading.Timer(max(0.0, delay), self._on_timer)
+        self._timer.daemon = True  # never holds the process at exit
+        self._timer.start()
+
+    def _on_timer(self) -> None:
+        with self._lock:
+            self._timer = None
+        self.flush()

@@ -274,7 +274,8 @@ class Listener:
 
         web = self.web_config
         if web is not None and web.users:
-            app = BasicAuth(web.users, app)
+            # half the threads at most wait on a bcrypt round: the rest serve the others
+            app = BasicAuth(web.users, app, checking=max(1, self.threads // 2))
 
         def logged(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
             # Only complete requests get here: a half-open one never runs the application.
