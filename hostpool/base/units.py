@@ -1,4 +1,5 @@
-"""Byte sizes as people write them: 4096, "2MB", "2MiB", "1GB", "4GiB", "512k"."""
+"""Byte sizes and durations as people write them: 4096, "2MB", "2MiB", "1GB", "4GiB",
+"512k"; "0", "30s", "10m", "2h", "1d", "1.5h"."""
 
 from __future__ import annotations
 
@@ -61,3 +62,33 @@ def page_spans(address: int, length: int, span: int, page_size: int) -> list[tup
     whole number of pages (the last may be shorter)."""
     span = max(page_size, span // page_size * page_size)
     return [(address + off, min(span, length - off)) for off in range(0, length, span)]
+
+
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", re.IGNORECASE)
+
+
+def parse_duration(value: str, *, what: str = "duration") -> float:
+    """Seconds from "0", "30s", "10m", "2h", "1d" (a bare number is seconds);
+    InvalidRequestError otherwise (negative, empty, an unknown unit)."""
+    match = _DURATION.fullmatch(value)
+    if match is None:
+        raise InvalidRequestError(
+            f"{what} must be a duration like '30s', '10m', '2h', '1d' or '0'; got {value!r}"
+        )
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+
+
+def format_duration(seconds: float) -> str:
+    """Short form for people: 45s, 12m, 2h3m, 3d4h (rounded down to its two largest units)."""
+    whole = max(0, int(seconds))
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours}h" if hours else f"{days}d"
+    if hours:
+        return f"{hours}h{minutes}m" if minutes else f"{hours}h"
+    if minutes:
+        return f"{minutes}m{secs}s" if secs else f"{minutes}m"
+    return f"{secs}s"
