@@ -1,4 +1,4 @@
-"""The `hostpool` command: serve, inspect, exporter, doctor, run, shm.
+"""The `hostpool` command: serve, inspect, exporter, doctor, run, shm, reap.
 
 Exit codes, one rule for every subcommand (hostpool.cli.exitcodes): 0 ok (a check
 passed); 1 the input is right but this host cannot do it now (port in use, share socket
@@ -31,6 +31,7 @@ SUBCOMMANDS: dict[str, str] = {
     "exporter": "hostpool.cli.exporter",
     "doctor": "hostpool.cli.doctor",
     "run": "hostpool.cli.run",
+    "reap": "hostpool.cli.reap",
     "shm": "hostpool.cli.shm",
 }
 

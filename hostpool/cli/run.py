@@ -1,4 +1,4 @@
-"""`hostpool run [--only NAME,...] -- CMD...`: run CMD with hostpool's server integrations
+"""`hostpool run [--only NAME,...] [--reap] -- CMD...`: run CMD with hostpool's server integrations
 (all of them unless `--only`) active in every Python process it starts (spawned workers
 included), through HOSTPOOL_INSTRUMENT and the `.pth` hook the hostpool wheel installs in
 an interpreter's site-packages.
@@ -7,6 +7,10 @@ When CMD is a Python interpreter, or a script whose `#!` line names one, that in
 must have the hook: otherwise nothing would be instrumented and nothing would say so, so
 `run` refuses with one line saying how to fix it. Other commands (a shell script that
 starts Python, say) are run as given.
+
+With `--reap` it first removes the known engines' orphaned shared memory (tmpfs files
+no process holds, any age) on this mount namespace's tmpfs mounts, so a container
+restarted in place starts clean; a reap failure is reported and CMD runs anyway.
 
 CMD replaces this process (exec), so the exit status is CMD's own. When CMD cannot be
 started (`hostpool.cli.exitcodes`): 2 if none or an empty one is given, an `--only` name
@@ -24,6 +28,7 @@ import sys
 from hostpool.cli.command import Subcommand
 from hostpool.cli.exitcodes import INVALID, NOT_NOW
 from hostpool.integrations import ENV, KNOWN, requested
+from hostpool.proc.textsafe import printable
 
 HOOK_FILE = "hostpool-instrument.pth"
 # Asked of the target interpreter: is the hook in one of its site directories?
@@ -48,6 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--only",
         metavar="NAME,...",
         help=f"only these integrations (known: {', '.join(KNOWN)}; default: all)",
+    )
+    p.add_argument(
+        "--reap",
+        action="store_true",
+        help="first remove the known engines' orphaned shared memory in this mount "
+        "namespace, of any age (hostpool reap --yes --min-age 0 on its own tmpfs mounts); "
+        "a failure is a warning and CMD runs anyway",
     )
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...")
 
@@ -99,6 +111,32 @@ def check_hook(interpreter: str) -> None:
         raise RunError(f"cannot ask {interpreter} for its site-packages", NOT_NOW)
 
 
+def reap_orphans() -> None:
+    """`--reap`: remove the known engines' orphans on this mount namespace's tmpfs mounts,
+    of any age: CMD has not started, so nothing of the engine in this container can be
+    about to open them; other namespaces (other containers' engines, running) are left
+    alone. A failure is one line on stderr (each object a `hostpool.reap_failed` event),
+    never a refusal: the operator asked for the engine to start, an orphan left costs
+    RAM the engine reports itself if it runs short, and a cleanup must not become the
+    outage (a CrashLoop of its own)."""
+    from hostpool.host import reap, scan
+
+    try:
+        selection = reap.Selection(min_age=0.0, dirs=reap.local_dirs())
+        results = reap.reap(reap.plan(scan.scan_host(), selection).candidates)
+    except Exception as exc:  # any reason: reported, and CMD still runs
+        print(f"hostpool run: --reap failed ({exc}); running CMD anyway", file=sys.stderr)
+        return
+    failed = [r for r in results if r.outcome == "failed"]
+    if failed:
+        first = failed[0]
+        print(
+            f"hostpool run: --reap could not remove {len(failed)} orphan(s) (first: "
+            f"{printable(first.obj.path or first.obj.name)}: {first.detail}); running CMD anyway",
+            file=sys.stderr,
+        )
+
+
 def _names(only: str | None) -> list[str]:
     if only is None:
         return list(KNOWN)
@@ -126,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
         interpreter = interpreter_of(program)
         if interpreter is not None:
             check_hook(interpreter)
+        if args.reap:
+            reap_orphans()
         os.execvpe(program, cmd, instrumented_env(dict(os.environ), names))
     except RunError as exc:
         print(f"hostpool run: {exc}", file=sys.stderr)
