@@ -7,7 +7,10 @@ or a page is allocated, so every mistake is reported in well under a second. HTT
 served from the start of populate: /healthz is 200 while the process runs, /readyz 503
 with what is still populating until every pool is, then 200 (both 503 once stopping). A
 stop signal during populate stops it within a span, releases what was made and exits 0
-like any stop; after the releases the process leaves at once (`_exit_now`).
+like any stop; after the releases the process leaves at once (`_exit_now`). A stop while
+waiting for a lock another process holds (the host budget's, the share socket
+directory's) ends the wait too (`base.shareddir.stop_waits_on`): those waits poll, since
+Python retries a blocking flock after the signal handler returns.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import threading
 from types import FrameType
 from typing import Any, NoReturn
 
-from hostpool.base import events
+from hostpool.base import events, shareddir
 from hostpool.cli.command import Subcommand
 from hostpool.errors import (
     Cancelled,
@@ -200,7 +203,9 @@ def run(args: argparse.Namespace) -> int:
     sock = listener.bind(cfg.host, cfg.port)
     stop = _Stop()
     try:
-        code = _serve(cfg, sock, stop)
+        # Lock waits (the host budget's, the share socket directory's) end at a stop.
+        with shareddir.stop_waits_on(stop.event):
+            code = _serve(cfg, sock, stop)
     finally:
         for sig in _STOP_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
@@ -267,6 +272,8 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
 
             try:
                 share = PoolShareServer(service.manager, cfg.share_socket).start()
+            except Cancelled:  # stopped while waiting for the socket directory's lock
+                return 0
             except HostPoolError as exc:
                 # preflight found the path usable; something took or broke it since
                 return _failed(exc)

@@ -9,6 +9,9 @@
   ShareSocketInUseError and is left alone; only a socket nobody listens on (stale, from a
   dead server) is removed. The probe, the unlink and bind+listen happen under an flock of
   the directory, so two servers starting at once cannot both decide the path is stale.
+  That flock is waited on for at most LOCK_TIMEOUT_S (then UnavailableError, naming who
+  holds it: in a 1777 directory any user can hold it) and not at all once the caller's
+  stop event is set (`shareddir.stop_waits_on`: `Cancelled`).
 - The socket is bound in a private directory of this process's own (through
   /proc/self/fd, so the length of its name does not matter), given its mode there, and
   hard-linked into place: nothing is ever chmod-ed by the final path, which a neighbour
@@ -31,11 +34,15 @@ import socket
 import stat
 import tempfile
 
-from hostpool.base import events
-from hostpool.errors import ConfigError, ShareError, ShareSocketInUseError
+from hostpool.base import events, shareddir
+from hostpool.errors import ConfigError, ShareError, ShareSocketInUseError, UnavailableError
 from hostpool.share.access import fs_magic
 
 PROBE_TIMEOUT = 1.0
+# The directory lock is held while probing (at most PROBE_TIMEOUT per socket type) and
+# binding: a wait beyond this is a lock nobody will give back.
+LOCK_TIMEOUT_S = 10.0
+_HINT = "use a directory of this user (or a missing one, which is created private)"
 MAX_PATH_BYTES = 107  # sun_path is 108 bytes with its terminating NUL
 _BIND_NAME = "s"
 _SHORTAGE = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS)
@@ -92,10 +99,15 @@ class SocketPath:
                 self._check_length()
                 self._check_filesystem(self._nearest_existing())
                 self._make_directories()
-                self._check_directory()
-                dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                dir_fd = self._open_directory()
                 try:
-                    fcntl.flock(dir_fd, fcntl.LOCK_EX)
+                    if not shareddir.flock_within(dir_fd, fcntl.LOCK_EX, timeout_s=LOCK_TIMEOUT_S):
+                        raise UnavailableError(
+                            f"share socket directory {self.directory}: its lock is "
+                            f"{shareddir.describe_holders(dir_fd)} for more than "
+                            f"{LOCK_TIMEOUT_S:g} s; stop that process or choose another "
+                            "share socket path"
+                        )
                     self._clear_stale()
                     return self._bind(backlog, dir_fd)
                 finally:
@@ -199,19 +211,12 @@ class SocketPath:
                 os.close(fd)
 
     def _check_directory(self) -> None:
-        st = os.stat(self.directory)
-        me = os.geteuid()
-        if st.st_uid not in (me, 0):
-            raise ConfigError(
-                f"share socket directory {self.directory} belongs to uid {st.st_uid}: use a "
-                "directory of this user (or a missing one, which is created private)"
-            )
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            raise ConfigError(
-                f"share socket directory {self.directory} is writable by others without the "
-                f"sticky bit (mode {stat.S_IMODE(st.st_mode):o}): another user could replace "
-                "the socket; use a private directory"
-            )
+        os.close(self._open_directory())
+
+    def _open_directory(self) -> int:
+        """The directory's fd, checked (shareddir.open_directory); the caller closes it."""
+        fd = shareddir.open_directory(self.directory, what="share socket directory", hint=_HINT)
+        st = os.fstat(fd)
         if self.open_to_others and not st.st_mode & 0o001:
             events.warning(
                 "hostpool.share_directory_closed",
@@ -220,6 +225,7 @@ class SocketPath:
                 reason="other uids are allowed but cannot traverse this directory; it is "
                 "not changed (use a directory with o+x, or a missing one)",
             )
+        return fd
 
     def _clear_stale(self) -> None:
         self._check_existing()
