@@ -32,19 +32,18 @@ writable share), so such peers attach them with `allow_unsealed=True`, accepting
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from hostpool.base.fsmagic import HUGETLBFS_MAGIC
+from hostpool.base.fsmagic import fs_magic as fs_magic  # one fstatfs; socketpath imports it here
 from hostpool.errors import ShareError
 
 SHRINK_SEAL = fcntl.F_SEAL_SHRINK
 F_SEAL_FUTURE_WRITE = 0x10  # not in Python 3.11's fcntl
 PUNCH_SEALS = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE  # what stops fallocate(PUNCH_HOLE)
-HUGETLBFS_MAGIC = 0x958458F6
-_STATFS_BYTES = 256  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
 
 
 @dataclass(frozen=True)
@@ -111,15 +110,6 @@ def shrinkable(name: str, fd: int) -> str | None:
     return None
 
 
-def fs_magic(fd: int) -> int:
-    """The f_type of the filesystem `fd` is on (fstatfs; Python's os has no fstatfs)."""
-    buf = ctypes.create_string_buffer(_STATFS_BYTES)
-    if _libc.fstatfs(fd, buf) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
-
-
 def is_hugetlb(fd: int) -> bool:
     """Whether `fd` is a file on hugetlbfs (a hugetlb memfd)."""
     return fs_magic(fd) == HUGETLBFS_MAGIC
@@ -147,6 +137,3 @@ def punchable(name: str, fd: int) -> str | None:
         "touch; no seal stops that and keeps the region writable, so hugetlb pools are "
         "shared read-only"
     )
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
