@@ -257,6 +257,45 @@ def test_raw_memfd_named_like_hostpool():
     assert "allocated at" not in raw and "HOSTPOOL_TRACK_STACKS" not in raw
 
 
+def test_the_stack_is_shown_by_default_trimmed_to_the_tests_own_frames(
+    pytester: pytest.Pytester,
+) -> None:
+    """Issue 36.11: no HOSTPOOL_TRACK_STACKS, and the report still says where the region
+    was allocated: the test and its helper, none of pytest's or pluggy's frames."""
+    pytester.makepyfile(
+        """
+import pytest
+import torch
+import hostpool
+KEEP = []
+
+def make_pool():
+    allocator = hostpool.ShmHostTensorAllocator(pool="deflt")
+    KEEP.append((allocator, allocator.allocate((1024,), torch.uint8)))
+
+@pytest.mark.hostpool_leak_check
+def test_leaks_through_a_helper():
+    make_pool()
+
+def test_unchecked_allocations_take_no_stack():
+    from hostpool.core.ledger import get_ledger
+    assert get_ledger().track_stacks is False
+"""
+    )
+    env_before = os.environ.pop("HOSTPOOL_TRACK_STACKS", None)
+    try:
+        result = pytester.runpytest_subprocess("-p", "no:hypothesispytest")
+    finally:
+        if env_before is not None:
+            os.environ["HOSTPOOL_TRACK_STACKS"] = env_before
+    result.assert_outcomes(passed=2, errors=1)
+    report = result.stdout.str().split("ERROR at teardown of ")[1].split("short test summary")[0]
+    assert "pool 'deflt'" in report and "allocated at:" in report, report
+    assert "in test_leaks_through_a_helper" in report and "in make_pool" in report, report
+    assert "_pytest" not in report and "pluggy" not in report, report
+    assert "HOSTPOOL_TRACK_STACKS" not in report
+
+
 # -- assert_no_leaks outside pytest --------------------------------------------------------
 
 

@@ -71,7 +71,9 @@ class PoolManager:
         ledger: Ledger | None = None,
     ) -> None:
         self._ledger = ledger or get_ledger()
-        self._track_stacks = track_stacks or self._ledger.track_stacks
+        # True: always; None: whatever the ledger says at each allocation (the leak
+        # check's plugin turns it on for the test it checks).
+        self._track_stacks: bool | None = True if track_stacks else None
         self._lock = ForkSafeLock()
         self._allocators: dict[str, HostTensorAllocator] = {}
         # Ids of this manager's allocators. Nothing the ledger or the admission holds

@@ -18,7 +18,9 @@ still present are not leaks; objects closed meanwhile are ignored.
 A first difference may be garbage that only a collection frees (a tensor in a
 reference cycle): only then is `gc.collect()` run (slow with torch loaded) and the
 state read again. What remains is reported with its pool, size and, when hostpool's
-ledger tracked the allocation (`HOSTPOOL_TRACK_STACKS=1`), the stack that allocated it.
+ledger tracked the allocation (always for a test the pytest plugin checks; elsewhere
+`HOSTPOOL_TRACK_STACKS=1`), the stack that allocated it, from the frame below the test
+runner's last (pytest's and pluggy's frames are dropped: the test's own remain).
 
 This module never imports torch or hostpool's allocators: the ledger is consulted only
 if the program already imported it.
@@ -27,6 +29,8 @@ if the program already imported it.
 from __future__ import annotations
 
 import gc
+import os
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -176,10 +180,38 @@ def describe(added: ShmState, prefixes: Sequence[str]) -> list[Leak]:
             fds=tuple(f.fd for f in o.fds),
             mappings=tuple(f"{m[0].start:x}-{m[-1].end:x}" for m in o.mappings),
             in_ledger=(o.dev, o.ino) in known or o.name.name in known,
-            stack=known.get((o.dev, o.ino)) or known.get(o.name.name),
+            stack=own_frames(known.get((o.dev, o.ino)) or known.get(o.name.name)),
         )
         for o in objects
     ]
+
+
+# The test runners whose frames sit above a test's own in every stack it allocates from.
+RUNNER_MODULES = ("_pytest", "pluggy", "pytest")
+
+
+def own_frames(stack: str | None) -> str | None:
+    """`stack` (traceback.format_list text, outermost first) from the frame after the
+    last one in a loaded test runner's package: the test's own frames, its fixtures' and
+    helpers'. Unchanged when no runner is loaded or no frame is the runner's."""
+    if not stack:
+        return stack
+    roots = tuple(
+        os.path.dirname(path) + os.sep
+        for name in RUNNER_MODULES
+        if (path := getattr(sys.modules.get(name), "__file__", None))
+    )
+    frames = _FRAME.split(stack)[1:]  # each: the file name, then the rest of its frame
+    files, texts = frames[0::2], frames[1::2]
+    last = max((i for i, f in enumerate(files) if roots and f.startswith(roots)), default=-1)
+    if last < 0 or last == len(files) - 1:
+        return stack
+    own = zip(files[last + 1 :], texts[last + 1 :], strict=True)
+    return "".join(f'  File "{f}"{t}' for f, t in own)
+
+
+# A frame's first line in traceback.format_list's text; the file name is captured.
+_FRAME = re.compile(r'^  File "(.*?)"(?=, line \d+)', re.MULTILINE)
 
 
 def _ledger_regions() -> dict[Any, str | None]:

@@ -12,9 +12,10 @@ The baseline is taken when the fixture is set up (as an autouse or first request
 function fixture: after session/module fixtures, so their long-lived pools are not
 leaks) and checked after the test's function-scoped fixtures are torn down. A leak is
 reported as an error in the test's teardown, naming every fd and mapping with its pool,
-size and allocation stack. Tests that already failed are not checked (their traceback
-holds the frames that hold the memory). Loading this plugin imports neither torch nor
-hostpool's allocators.
+size and allocation stack: while a checked test runs, hostpool's ledger records where
+each region is allocated, and the report shows the test's own frames, not pytest's.
+Tests that already failed are not checked (their traceback holds the frames that hold
+the memory). Loading this plugin imports neither torch nor hostpool's allocators.
 """
 
 from __future__ import annotations
@@ -95,7 +96,16 @@ def _hostpool_leak_check_auto(request: pytest.FixtureRequest) -> Iterator[None]:
 def _checked(request: pytest.FixtureRequest) -> Iterator[LeakCheck]:
     check = LeakCheck(_prefixes(request))
     request.node.stash[_running] = check
-    yield check
+    # Stacks cost a traceback per allocation: taken only while a checked test runs. The
+    # ledger (no torch, no allocators) is imported here, at the first checked test.
+    from hostpool.core.ledger import get_ledger
+
+    ledger = get_ledger()
+    before, ledger.track_stacks = ledger.track_stacks, True
+    try:
+        yield check
+    finally:
+        ledger.track_stacks = before
     if request.node.stash.get(_call_failed, False):
         return
     leaks = check.leaks()
