@@ -64,7 +64,9 @@ def test_what_a_registry_exposes_is_the_documented_catalogue() -> None:
         name: metric
         for name, metric in lint.load_catalogue().items()
         # not this collector's
-        if not name.startswith(("hostpool_exporter_", "hostpool_host_", "hostpool_serve_"))
+        if not name.startswith(
+            ("hostpool_exporter_", "hostpool_host_", "hostpool_serve_", "hostpool_vllm_")
+        )
     }
     with HostPoolManager() as m:
         t = m.allocator("typed").allocate((4096,), torch.uint8)
