@@ -764,15 +764,22 @@ HOST_SHM = RowSpec(
             needs="node",
         ),
         PanelSpec(
-            "Node view truncated",
-            "1 while the host view's reading reaches the exporter's --scrape-budget before "
-            "reading everything: the panels of this row are then partial and unattributed "
-            "bytes too high. Raise --scrape-budget (below Prometheus' scrape_timeout).",
+            "Node view truncated, unreadable",
+            "Truncated: 1 while the host view's reading reaches the exporter's "
+            "--scrape-budget before reading everything (the panels of this row are then "
+            "partial, unattributed bytes too high): raise --scrape-budget, below "
+            "Prometheus' scrape_timeout. Unreadable: processes the exporter may not read; "
+            "what only they hold shows as orphaned or unattributed: give it CAP_SYS_PTRACE "
+            "and the host's PID namespace.",
             "short",
             (
                 q(
                     f"max by (instance) (hostpool_host_scrape_truncated{{{TARGET}}})",
-                    "{{instance}}",
+                    "{{instance}} truncated",
+                ),
+                q(
+                    f"max by (instance) (hostpool_host_unreadable_processes{{{TARGET}}})",
+                    "{{instance}} unreadable",
                 ),
             ),
             kind="stat",

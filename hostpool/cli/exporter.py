@@ -1,5 +1,9 @@
 """`hostpool exporter`: serve Prometheus metrics of other processes' shm, read from /proc.
 
+What it watches: `--pid` (one process) or `--match` (every process holding a prefix),
+and/or `--node` (the node view: every shared-memory object on the host, any engine's,
+held or orphaned: hostpool.metrics.host); at least one of them.
+
 Endpoints: `/metrics` (only there), `/healthz` (200 while it serves), `/` a page listing
 them; any other path is a 404. `--pid` of a process that does not exist (yet) is
 accepted: `hostpool_exporter_target_up` is 0 until it does (and again once it exits).
@@ -32,7 +36,7 @@ DEFAULT_MAX_POOLS = 32
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Its flags."""
-    target = p.add_mutually_exclusive_group(required=True)
+    target = p.add_mutually_exclusive_group()
     target.add_argument(
         "--pid",
         type=_pid,
@@ -43,6 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         metavar="PREFIX",
         help="every process holding a shm fd or mapping named PREFIX... (repeatable)",
+    )
+    p.add_argument(
+        "--node",
+        action="store_true",
+        help="the node view: every shared-memory object on the host (memfds, tmpfs files in "
+        "every mount namespace, SysV, shared anonymous), whoever holds it, and Shmem no "
+        "object accounts for (hostpool_host_*); alone or with --pid/--match",
     )
     p.add_argument("--host", default="127.0.0.1", help="listen address (127.0.0.1)")
     p.add_argument("--port", type=_port, default=9465, help="listen port (9465; 0 picks one)")
@@ -61,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"time one scrape may spend reading /proc ({DEFAULT_SCRAPE_BUDGET:g}); past it the "
         "scrape answers with what it read and hostpool_exporter_scrape_truncated 1 "
-        "(keep it below Prometheus' scrape_timeout)",
+        "(keep it below Prometheus' scrape_timeout); --node with --pid/--match: half each",
     )
     p.add_argument(
         "--web-config-file",
@@ -78,10 +89,19 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry, make_wsgi_app
 
     from hostpool.metrics.exporter import ProcfsCollector
+    from hostpool.metrics.host import HostCollector
     from hostpool.net.listener import Listener, bind
     from hostpool.net.routes import Route, routed_app, text_app
     from hostpool.net.webconfig import WebConfig, load
 
+    watched = args.pid is not None or args.match is not None
+    if not (watched or args.node):
+        print(
+            "hostpool exporter: say what to watch: --pid PID, --match PREFIX, --node, "
+            "or --node with one of the others",
+            file=sys.stderr,
+        )
+        return INVALID
     if args.match is not None and not all(args.match):
         print("hostpool exporter: --match needs a non-empty prefix", file=sys.stderr)
         return INVALID
@@ -98,14 +118,19 @@ def run(args: argparse.Namespace) -> int:
             return NOT_NOW
 
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(
-        ProcfsCollector(
-            pid=args.pid,
-            match=args.match or (),
-            max_pools=args.max_pools,
-            scrape_budget=args.scrape_budget,
+    # one scrape reads both views in turn: together they keep to the one budget
+    budget = args.scrape_budget / 2 if watched and args.node else args.scrape_budget
+    if watched:
+        registry.register(
+            ProcfsCollector(
+                pid=args.pid,
+                match=args.match or (),
+                max_pools=args.max_pools,
+                scrape_budget=budget,
+            )
         )
-    )
+    if args.node:
+        registry.register(HostCollector(scrape_budget=budget))
     app = routed_app(
         "hostpool exporter",
         [
@@ -132,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         # chosen by the watched process: escaped, it cannot forge or garble a log line
         command=printable(procfs.command_name(args.pid) or "?") if args.pid else None,
         match=args.match,
+        node=args.node,
         web=web.describe() if web is not None else None,
     )
     if absent is not None:
@@ -187,7 +213,9 @@ COMMAND = Subcommand(
         "Serve /metrics for processes that do not embed hostpool: per prefix and "
         "pool, their shm fds, mapped and resident bytes, read at scrape time. Also /healthz, "
         "and / lists the endpoints. --pid of a process that does not exist yet is accepted "
-        "(hostpool_exporter_target_up 0 until it does)."
+        "(hostpool_exporter_target_up 0 until it does). --node adds the node view: every "
+        "shared-memory object on the host by engine, kind and state (held or orphaned), "
+        "and the Shmem no object accounts for."
     ),
     add_arguments=add_arguments,
     run=run,
