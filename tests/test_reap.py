@@ -434,6 +434,35 @@ def test_a_fresh_orphan_survives_the_default_min_age() -> None:
         assert len(os.listdir(shm)) == 1
 
 
+def test_a_candidate_that_cannot_be_removed_is_exit_1() -> None:
+    """The tmpfs turned read-only after the file was planted: the unlink fails (EROFS)."""
+    with private_tmpfs() as (pid, shm):
+        name = _name()
+        _plant(f"{shm}/{name}")
+        remount = ["nsenter", "-t", str(pid), "-m", "mount", "-o", "remount,ro", "/dev/shm"]
+        subprocess.run(remount, check=True, timeout=60)
+        out = hostpool("reap", "--yes", "--min-age", "0", "--dir", shm)
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert out.stdout.startswith("FAILED") and "EROFS" in out.stdout
+        assert "1 could not be removed" in out.stdout.splitlines()[-1]
+        failed = [json.loads(li) for li in out.stderr.splitlines() if li.startswith("{")]
+        assert [e["event"] for e in failed] == ["hostpool.reap_failed"]
+        assert os.listdir(shm) == [name]
+
+
+def test_a_subdirectory_limits_by_path() -> None:
+    with private_tmpfs() as (_pid, shm):
+        os.mkdir(f"{shm}/a")
+        os.mkdir(f"{shm}/b")
+        inside, outside = _name(), _name()
+        _plant(f"{shm}/a/{inside}")
+        _plant(f"{shm}/b/{outside}")
+        out = hostpool("reap", "--yes", "--min-age", "0", "--dir", f"{shm}/a/")
+        assert out.returncode == 0, out.stderr
+        assert (os.listdir(f"{shm}/a"), os.listdir(f"{shm}/b")) == ([], [outside])
+        assert "1 outside --dir" in out.stdout
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
@@ -465,14 +494,18 @@ CHECK = (
 )
 
 
-def _in_private_shm(plant: str, then: str) -> subprocess.CompletedProcess[str]:
+def _in_private_shm(
+    plant: str, then: str, *, read_only: bool = False
+) -> subprocess.CompletedProcess[str]:
     """`then` run in a private mount namespace whose /dev/shm is a fresh tmpfs holding an
-    orphaned vLLM file and a file of no known engine (`plant`: their names)."""
+    orphaned vLLM file and a file of no known engine (`plant`: their names), remounted
+    read-only first if asked."""
     script = (
         "mount -t tmpfs -o size=16m hostpool-reaptest /dev/shm && "
         f"head -c 65536 /dev/zero > /dev/shm/{plant} && "
         f"head -c 4096 /dev/zero > /dev/shm/keep_{plant} && "
-        f"{then}"
+        + ("mount -o remount,ro /dev/shm && " if read_only else "")
+        + then
     )
     env = {k: v for k, v in os.environ.items() if k != "HOSTPOOL_INSTRUMENT"}
     return subprocess.run(
@@ -491,6 +524,21 @@ def test_run_reap_removes_the_orphans_before_cmd_starts() -> None:
     assert out.stdout.strip() == f"['keep_{name}']"
     reaped = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
     assert [e["path"] for e in reaped if e["event"] == "hostpool.reaped"] == [f"/dev/shm/{name}"]
+
+
+def test_run_reap_that_fails_warns_and_runs_cmd() -> None:
+    py = sys.executable
+    name = _name()
+    show = "import os; print(sorted(os.listdir('/dev/shm')))"
+    out = _in_private_shm(
+        name, f'exec {py} -m hostpool run --reap -- {py} -c "{show}"', read_only=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip() == str(sorted([name, f"keep_{name}"]))  # CMD ran
+    assert (
+        "--reap could not remove 1 orphan(s)" in out.stderr and "running CMD anyway" in out.stderr
+    )
+    assert "EROFS" in out.stderr
 
 
 def test_run_reap_with_a_bad_flag_reaps_nothing() -> None:

@@ -207,7 +207,7 @@ def reap(candidates: Sequence[HostObject], *, min_age: float = 0.0) -> list[Resu
             done[i] = _unlink(obj, dfd, before, held.get(before[0], ()))
     for i, obj in enumerate(candidates):
         if obj.kind == "sysv":
-            done[i] = _remove_segment(obj)
+            done[i] = _remove_segment(obj, min_age)
     results = [done[i] for i in range(len(candidates))]
     for r in results:
         _report(r)
@@ -231,7 +231,9 @@ def _stage(
     """The files that pass every check but the holders' (the others' Result in `done`)."""
     staged = []
     for i, obj in files:
-        assert obj.path is not None
+        if obj.path is None or obj.identity is None:  # held and unlinked: no name to remove
+            done[i] = Result(obj, "failed", "EINVAL: no path to it", errno.EINVAL)
+            continue
         directory, name = os.path.split(obj.path)
         try:
             dfd = dirs.get(directory)
@@ -283,8 +285,9 @@ def _os_failure(obj: HostObject, exc: OSError) -> Result:
     return Result(obj, "failed", f"{errno.errorcode.get(code, code)}: {why}", code)
 
 
-def _remove_segment(obj: HostObject) -> Result:
-    assert obj.shmid is not None
+def _remove_segment(obj: HostObject, min_age: float) -> Result:
+    if obj.shmid is None:
+        return Result(obj, "failed", "EINVAL: no shmid", errno.EINVAL)
     now = next((s for s in sysv.read_segments() if s.shmid == obj.shmid), None)
     if now is None:
         return Result(obj, "kept_changed", "gone since the scan")
@@ -292,6 +295,8 @@ def _remove_segment(obj: HostObject) -> Result:
         return Result(obj, "kept_held", f"{now.nattch} attachment(s) since the scan")
     if (now.name, now.size) != (obj.name, obj.size_bytes):
         return Result(obj, "kept_changed", "another segment has its id now")
+    if min_age > 0 and time.time() - now.changed < min_age:
+        return Result(obj, "kept_changed", "changed since the scan (younger than --min-age)")
     if _libc.shmctl(obj.shmid, _IPC_RMID, None) != 0:
         code = ctypes.get_errno()
         if code in (errno.EINVAL, errno.EIDRM):
