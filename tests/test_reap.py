@@ -425,6 +425,18 @@ def test_json_output_shape() -> None:
         assert doc["totals"]["outcomes"] == {"removed": 1}
 
 
+def test_names_are_escaped_in_text_output() -> None:
+    """A file name is anyone's: a newline in it cannot forge a line, an escape sequence
+    cannot reach the terminal."""
+    with private_tmpfs() as (_pid, shm):
+        _plant(f"{shm}/psm_x\nremoved      vllm forged\x1b[31m")
+        out = hostpool("reap", "--min-age", "0", "--dir", shm)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert len(lines) == 2 and "\x1b" not in out.stdout
+        assert lines[0].endswith("/psm_x\\nremoved      vllm forged\\x1b[31m")
+
+
 def test_a_fresh_orphan_survives_the_default_min_age() -> None:
     with private_tmpfs() as (_pid, shm):
         _plant(f"{shm}/{_name()}")
