@@ -1,5 +1,6 @@
-"""End to end: `hostpool serve --demo-load` scraped by a real Prometheus on loopback; every
-dashboard target and every rule evaluated through Prometheus's HTTP API."""
+"""End to end: `hostpool serve --demo-load` and `hostpool exporter --node` scraped by a
+real Prometheus on loopback; every dashboard target and every rule evaluated through
+Prometheus's HTTP API."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests import dashboard_lint, waiting
+from tests import dashboard_lint, exporting, waiting
 from tests.test_serve import start_serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +44,13 @@ def _api(base: str, path: str, **params: str) -> Any:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     tmp = tmp_path_factory.mktemp("e2e")
-    served = start_serve(os.fspath(tmp), "--demo-load")
+    node = exporting.start_exporter("--node")
+    node_target = node.url.removeprefix("http://").removesuffix("/metrics")
+    try:
+        served = start_serve(os.fspath(tmp), "--demo-load")
+    except BaseException:
+        node.stop()
+        raise
     target = served.url.removeprefix("http://")
     config = os.path.join(tmp, "prometheus.yml")
     for name in ("alerts.yml", "recording.yml"):
@@ -54,6 +61,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]
             "rule_files: [alerts.yml, recording.yml]\n"
             f"scrape_configs:\n  - job_name: hostpool\n    static_configs:\n"
             f"      - targets: ['{target}']\n"
+            f"  - job_name: hostpool-node\n    static_configs:\n"
+            f"      - targets: ['{node_target}']\n"
         )
     port = _free_port()
     prom = subprocess.Popen(
@@ -84,6 +93,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]
             except (OSError, AssertionError):
                 return False  # not listening yet
             enough = bool(samples["result"]) and float(samples["result"][0]["value"][1]) >= 5
+            node_seen = _api(base, "query", query="count_over_time(hostpool_host_shmem_bytes[1m])")
+            enough = enough and bool(node_seen["result"])
+            enough = enough and float(node_seen["result"][0]["value"][1]) >= 5
             return enough and all(provoked)
 
         waiting.wait_for(ready, "prometheus scraping the demo", alive=prom, interval=0.5)
@@ -93,6 +105,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]
         prom.wait(timeout=30)
         served.proc.send_signal(signal.SIGTERM)
         assert served.proc.wait(timeout=10) == 0
+        node.stop()
 
 
 def test_every_dashboard_target_evaluates(stack: tuple[str, str]) -> None:
@@ -106,6 +119,25 @@ def test_every_dashboard_target_evaluates(stack: tuple[str, str]) -> None:
         data = _api(base, "query", query=expr)  # a bad query fails here with status error
         if not data["result"] and title not in optional:
             empty.append((title, expr))
+    assert empty == []
+
+
+def test_the_node_view_panels_have_data(stack: tuple[str, str]) -> None:
+    """The Host shared memory row, on a real `exporter --node`: every panel but those of
+    orphans (this host may have none) shows something."""
+    from dashboards import build
+
+    base, _ = stack
+    dashboard = dashboard_lint.load_dashboard()
+    queries = dashboard_lint.panel_queries(dashboard, rate_interval=f"{4 * SCRAPE}s")
+    row = next(r for r in build.ROWS if r.title == "Host shared memory")
+    wanted = {p.title for p in row.panels} - {"Orphaned shared memory", "Oldest orphan age"}
+    wanted -= {"Host hugetlb objects"}  # only where something uses hugetlb pages
+    empty = [
+        (title, expr)
+        for title, expr in queries
+        if title in wanted and not _api(base, "query", query=expr)["result"]
+    ]
     assert empty == []
 
 
