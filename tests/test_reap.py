@@ -273,6 +273,21 @@ def test_a_fresh_orphan_under_min_age_is_left(shm_files: list[str]) -> None:
     assert os.path.exists(path)
 
 
+def test_a_scan_cut_short_plans_nothing(shm_files: list[str]) -> None:
+    """Holders of processes a deadline left unread are missing: its orphans may not be."""
+    path = f"/dev/shm/{_name()}"
+    shm_files.append(path)
+    st = _plant(path)
+    view = scan.scan_host()
+    obj = _object(view, st)
+    assert len(_mine(reap.plan(view, ANY_AGE), obj)) == 1
+    planned = reap.plan(dataclasses.replace(view, complete=False), ANY_AGE)
+    assert planned.candidates == ()
+    assert [s.reason for s in planned.skipped if s.obj.identity == obj.identity] == [
+        "the scan was cut short"
+    ]
+
+
 def test_unknown_engines_only_when_asked(shm_files: list[str]) -> None:
     path = f"/dev/shm/reaptest_{secrets.token_hex(6)}"
     shm_files.append(path)
