@@ -86,8 +86,9 @@ HOST_METRICS: Final[dict[str, tuple[tuple[str, ...], str]]] = {
     ),
     "hostpool_host_unreadable_processes": (
         (),
-        "Processes this exporter may not read (it lacks CAP_SYS_PTRACE, a hidepid /proc): "
-        "objects only they hold show as orphaned or unattributed.",
+        "Processes this exporter may not read (it lacks CAP_SYS_PTRACE or "
+        "CAP_DAC_READ_SEARCH, a hidepid /proc): objects only they hold show as orphaned "
+        "or unattributed.",
     ),
 }
 
@@ -166,8 +167,9 @@ class HostCollector(Collector):
                 view="node",
                 processes=view.unreadable,
                 detail="what only these processes hold shows as orphaned or unattributed: "
-                "the exporter needs CAP_SYS_PTRACE (and the host's PID namespace) to read "
-                "every process; `hostpool inspect PID` says what is missing for one",
+                "the exporter needs CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH (in a container, "
+                "the host's PID namespace too) to read every process; `hostpool inspect "
+                "PID` says what is missing for one",
             )
         if truncated and not self._was_truncated:
             events.warning(
