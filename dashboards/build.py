@@ -612,7 +612,9 @@ EXPORTER = RowSpec(
             "the watched process exists, 0 once it exited. Folded: pools past the "
             'exporter\'s --max-pools, summed into pool="_other" (someone names many memfds '
             "after the prefix). Truncated: 1 while scrapes reach the exporter's "
-            "--scrape-budget before reading every process (its sums are then partial).",
+            "--scrape-budget before reading every process (its sums are then partial). "
+            "Ignored: objects named after a process that does not hold them, in no pool "
+            "(by reason: a forged name, its owner gone or unreadable).",
             "short",
             (
                 q(f"sum by (prefix) (hostpool_exporter_processes{{{TARGET}}})", "{{prefix}}"),
@@ -624,6 +626,10 @@ EXPORTER = RowSpec(
                 q(
                     f"max by (instance) (hostpool_exporter_scrape_truncated{{{TARGET}}})",
                     "{{instance}} truncated",
+                ),
+                q(
+                    f"sum by (prefix, reason) (hostpool_exporter_ignored_objects{{{TARGET}}})",
+                    "{{prefix}} ignored {{reason}}",
                 ),
             ),
             width=24,

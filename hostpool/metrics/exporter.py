@@ -11,7 +11,8 @@ any process using hostpool-named memfds): `hostpool exporter --match PREFIX` or
 | `hostpool_exporter_resident_bytes` | prefix, pool | of those, bytes in memory (see below) |
 | `hostpool_exporter_mappings` | prefix, pool | mappings (VMAs split by madvise count once) |
 | `hostpool_exporter_pools_folded` | prefix | pools summed into `pool="_other"` (over the cap) |
-| `hostpool_exporter_processes` | prefix | `--match` only: processes holding a match |
+| `hostpool_exporter_processes` | prefix | `--match` only: processes holding a match that counts |
+| `hostpool_exporter_ignored_objects` | prefix, reason | objects read, left out of every pool |
 | `hostpool_exporter_target_up` | pid | `--pid` only: 1 while the process exists, else 0 |
 | `hostpool_exporter_scrape_duration_seconds` | | time this scrape spent reading /proc |
 | `hostpool_exporter_scrape_truncated` | | 1 when the scrape hit its time budget (partial sums) |
@@ -22,6 +23,13 @@ prefix but shows only those the process uses, and never exports
 nothing). Any user can name a memfd `hostpool.<anything>.1.1`: past `max_pools` pools
 per prefix, the smallest (by resident, then mapped bytes) are summed into one
 `pool="_other"` series, so the series count stays bounded.
+
+Objects count by holder, not by name (`hostpool.proc.owners`): an object whose name
+carries another process's pid counts only when that process holds the very same object
+(then every holder counts: share clients, forked workers); a name with no pid (sglang's
+`sglang_host_pool_<hex>`) counts by its name. The others are left out of every pool and
+out of `hostpool_exporter_processes`, and counted in `hostpool_exporter_ignored_objects`
+by reason (`owner_gone`, `not_held_by_owner`, `owner_other_uid`, `unverified`).
 
 Resident bytes are the pages each mapped object holds (`st_blocks` through one of the
 process's fds for it, at most the bytes the process maps of it; swapped-out shmem pages
@@ -52,7 +60,7 @@ from prometheus_client.registry import Collector
 from hostpool.base import events
 from hostpool.errors import ConfigError
 from hostpool.metrics.flight import SharedFlight
-from hostpool.proc import names, procaccess, procfs, procgroup, scan
+from hostpool.proc import names, owners, procaccess, procfs, procgroup, scan
 from hostpool.proc.textsafe import printable
 
 LABELS = ["prefix", "pool"]
@@ -101,7 +109,7 @@ class ProcfsCollector(Collector):
     def _collect_once(self) -> list[Metric]:
         started = time.perf_counter()
         deadline = time.monotonic() + self.scrape_budget
-        processes, target_up, truncated = self._processes(deadline)
+        processes, ignored, target_up, truncated = self._processes(deadline)
         totals: dict[str, dict[str, _Totals]] = {}
         holders = dict.fromkeys(self.prefixes, 0)
         for pools_of_process in processes:
@@ -112,9 +120,12 @@ class ProcfsCollector(Collector):
                 seen.add(prefix)
             for prefix in seen:
                 holders[prefix] += 1
-        fds, mapped, resident, mappings, folded, procs, target, duration, cut = self._families()
+        fds, mapped, resident, mappings, folded, procs, target, duration, cut, left_out = (
+            self._families()
+        )
         # --match: every prefix asked for; --pid: only the prefixes the process uses
-        prefixes = self.prefixes if self.pid is None else sorted(totals)
+        used = {prefix for prefix, _reason in ignored}.union(totals)
+        prefixes = self.prefixes if self.pid is None else sorted(used)
         for prefix in prefixes:
             kept, n_folded = self._fold(prefix, totals.get(prefix, {}))
             for pool, t in kept:
@@ -123,6 +134,8 @@ class ProcfsCollector(Collector):
                 resident.add_metric([prefix, pool], t.resident_bytes)
                 mappings.add_metric([prefix, pool], t.mappings)
             folded.add_metric([prefix], n_folded)
+            for reason in owners.REASONS:
+                left_out.add_metric([prefix, reason], ignored.get((prefix, reason), 0))
         if self.pid is None:
             for prefix, count in holders.items():
                 procs.add_metric([prefix], count)
@@ -141,7 +154,7 @@ class ProcfsCollector(Collector):
                 "Prometheus' scrape_timeout) or narrow --match",
             )
         self._was_truncated = truncated
-        return [fds, mapped, resident, mappings, folded, procs, target, duration, cut]
+        return [fds, mapped, resident, mappings, folded, procs, target, duration, cut, left_out]
 
     def _fold(
         self, prefix: str, pools: dict[str, _Totals]
@@ -175,23 +188,32 @@ class ProcfsCollector(Collector):
 
     def _processes(
         self, deadline: float
-    ) -> tuple[list[dict[tuple[str, str], _Totals]], bool, bool]:
-        """Per-pool totals of each process to sum, whether (for --pid) the target still
-        exists, and whether the deadline cut the reading short."""
+    ) -> tuple[
+        list[dict[tuple[str, str], _Totals]], dict[tuple[str, owners.Reason], int], bool, bool
+    ]:
+        """Per-pool totals of each process to sum, the objects ignored per (prefix,
+        reason), whether (for --pid) the target still exists, and whether the deadline
+        cut the reading short."""
         if self.pid is not None:
             try:
                 holdings = scan.read_holdings(self.pid, self._matcher, deadline=deadline)
             except procfs.ProcessNotFoundError:
-                return [], False, False  # it exited: its gauges go, target_up drops to 0
-            except procfs.ProcessAccessError as exc:
-                self._warn_unreadable([self.pid], 1, str(exc))
-                return [], True, False
-            finally:
                 self._matcher.next_scan()
+                return [], {}, False, False  # it exited: its gauges go, target_up drops to 0
+            except procfs.ProcessAccessError as exc:
+                self._matcher.next_scan()
+                self._warn_unreadable([self.pid], 1, str(exc))
+                return [], {}, True, False
+            # objects named after another process are checked against it (read here)
+            found = owners.Owners(self._matcher, [holdings], deadline=deadline)
+            ignored: owners.Ignored = {}
+            found.attribute(holdings, ignored)
+            self._matcher.next_scan([holdings, *found.extra], more=found.paths)
             in_time = time.monotonic() <= deadline
             complete = scan.fill_residency(holdings, self._matcher, {}, smaps=in_time)
             complete = complete and holdings.complete
-            return [procgroup.holdings_totals(holdings)], True, not complete
+            totals = [procgroup.holdings_totals(holdings)]
+            return totals, owners.ignored_counts(ignored), True, not complete
         result = procgroup.scan_totals(self._matcher, deadline=deadline)
         if result.unreadable and not self._warned_unreadable:
             first = result.unreadable_pids[0]
@@ -204,7 +226,8 @@ class ProcfsCollector(Collector):
                 result.unreadable,
                 f"pid {first}: {why} (`hostpool inspect PID` says what is missing for another)",
             )
-        return [pools for _pid, pools in result.processes], True, result.truncated
+        processes = [pools for _pid, pools in result.processes]
+        return processes, result.ignored, True, result.truncated
 
     def _warn_unreadable(self, pids: list[int], count: int, detail: str) -> None:
         """Once: how many processes could not be read, their pids (the first few) and
@@ -246,7 +269,8 @@ class ProcfsCollector(Collector):
         )
         yield GaugeMetricFamily(
             "hostpool_exporter_processes",
-            "Processes holding a matching shared-memory fd or mapping (--match only).",
+            "Processes holding a matching shared-memory fd or mapping that counts in its "
+            "pool (--match only).",
             labels=["prefix"],
         )
         yield GaugeMetricFamily(
@@ -263,4 +287,11 @@ class ProcfsCollector(Collector):
             "hostpool_exporter_scrape_truncated",
             "1 when this scrape reached its time budget (--scrape-budget) before reading "
             "every process: the other gauges are then partial sums.",
+        )
+        yield GaugeMetricFamily(
+            "hostpool_exporter_ignored_objects",
+            "Matching objects this scrape read and left out of every pool: named after "
+            "another process that does not hold them (reason: owner_gone, "
+            "not_held_by_owner, owner_other_uid, unverified).",
+            labels=["prefix", "reason"],
         )

@@ -12,6 +12,7 @@ from typing import Literal, TypeVar
 
 from hostpool.proc import bulkread
 from hostpool.proc.names import Kind, ShmName
+from hostpool.proc.owners import Ignored, Owners, Reason, ignored_counts
 from hostpool.proc.procfs import (
     ProcessAccessError,
     ProcessNotFoundError,
@@ -248,7 +249,7 @@ class PoolTotals:
 def holdings_totals(holdings: Holdings) -> dict[tuple[str, str], PoolTotals]:
     """One process's holdings summed per (prefix, pool)."""
     out = {pool: PoolTotals(*sums) for pool, sums in bulkread.pool_totals(holdings.rows).items()}
-    for name, count in holdings.unmapped_fds.values():
+    for _link, name, count in holdings.unmapped_fds.values():
         pool = (name.prefix, name.pool)
         totals = out.get(pool)
         if totals is None:
@@ -278,22 +279,29 @@ class TotalsScan:
     unreadable: int = 0  # processes whose /proc entries this user may not read
     truncated: bool = False  # the deadline passed before every process was read in full
     unreadable_pids: list[int] = field(default_factory=list)  # the first few of them
+    # objects left out of every pool (`hostpool.proc.owners`), per (prefix, reason)
+    ignored: dict[tuple[str, Reason], int] = field(default_factory=dict)
 
 
 def scan_totals(matcher: Matcher, *, deadline: float | None = None) -> TotalsScan:
     """`read_holdings` of every process but this one, in pid order, until `deadline`
     (time.monotonic()): what was read by then is returned, with `truncated` set. Objects
-    a process maps without an fd for them get their pages once every process was read
-    (`fill_residency`): those another process's fd measured, whichever was read first."""
+    count in their pools by holder (`hostpool.proc.owners`), the others are `ignored`.
+    Objects a process maps without an fd for them get their pages once every process was
+    read (`fill_residency`): those another process's fd measured, whichever was first."""
     result, unreadable = TotalsScan(), list[int]()
     read: list[Holdings] = []
+    read_pids: set[int] = set()
 
     def past_deadline() -> bool:
         result.truncated = deadline is not None and time.monotonic() > deadline
         return result.truncated
 
     def holdings_of(pid: int) -> Holdings:
-        return read_holdings(pid, matcher, deadline=deadline)
+        holdings = read_holdings(pid, matcher, deadline=deadline)
+        if holdings.complete:
+            read_pids.add(pid)
+        return holdings
 
     for holdings in _each_process(holdings_of, unreadable, stop=past_deadline):
         if holdings.rows or holdings.unmapped_fds:
@@ -302,6 +310,13 @@ def scan_totals(matcher: Matcher, *, deadline: float | None = None) -> TotalsSca
             result.truncated = True
             break
     result.unreadable, result.unreadable_pids = len(unreadable), unreadable[:UNREADABLE_PIDS_KEPT]
+    owners = Owners(matcher, read, read_pids=read_pids, unreadable=unreadable, deadline=deadline)
+    ignored: Ignored = {}
+    for holdings in read:
+        owners.attribute(holdings, ignored)
+    result.ignored = ignored_counts(ignored)
+    matcher.next_scan([*read, *owners.extra], complete=not result.truncated, more=owners.paths)
+    read = [holdings for holdings in read if holdings.rows or holdings.unmapped_fds]
     pages = _measured_pages(read) if any(bulkread.unmeasured(h.rows) for h in read) else {}
     for holdings in read:
         # past the budget, no smaps reads: what the scan measured, marked partial
@@ -309,5 +324,4 @@ def scan_totals(matcher: Matcher, *, deadline: float | None = None) -> TotalsSca
         if not fill_residency(holdings, matcher, pages, smaps=in_time):
             result.truncated = True
         result.processes.append((holdings.pid, holdings_totals(holdings)))
-    matcher.next_scan(complete=not result.truncated)
     return result

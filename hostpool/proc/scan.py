@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -41,8 +41,7 @@ Row = list[Any]
 ROW_PATH, ROW_MATCH, ROW_MAPPINGS, ROW_MAPPED, ROW_FDS, ROW_ALLOCATED, ROW_SMAPS = range(7)
 
 _CHECK_EVERY: Final = 256  # fds between two looks at the deadline when links are read
-_NAMES_KEPT: Final = 1 << 20
-_ROTATE_EVERY: Final = 16  # complete scans between two clean-ups of the parsed paths
+_STALE_SLACK: Final = 4096  # parsed paths a scan did not meet, kept without a clean-up
 _UNKNOWN: Final[Any] = object()
 # a smaps header line with a path: start, end, offset, major:minor, inode, path
 _MAPS_LINE: Final = rb"^([0-9a-f]+)-([0-9a-f]+) [^ \n]+ ([0-9a-f]+) ([0-9a-f]+:[0-9a-f]+) (\d+) +"
@@ -52,12 +51,13 @@ class Matcher:
     """What each path met in maps or an fd link says: the kind, parsed name and pool of a
     shm object that names one of `prefixes`, or None.
 
-    Parsed paths (those that name no match too: a library, `[heap]`) are kept from one
-    scan to the next (`next_scan`): a name lives as long as its object, so a scrape
-    parses only the paths that are new since the last, and a maps line costs one dict
-    lookup. Only the paths the last two scans met are kept, so memory follows what
-    processes hold. Not locked: concurrent scans with one Matcher at worst parse a path
-    twice.
+    Parsed paths (those that name no match too) are kept from one scan to the next
+    (`next_scan`): a name lives as long as its object, so a scrape parses only the paths
+    that are new since the last, and a maps line costs one dict lookup. Once the paths a
+    scan did not meet outnumber an eighth of those it met (and a slack), only those it met
+    are kept: processes that make new memfds with new names before every scrape leave at
+    most one scan's worth of stale paths, so memory stays within twice what the objects
+    held need. Not locked: concurrent scans with one Matcher at worst parse a path twice.
     """
 
     def __init__(self, prefixes: Sequence[str]) -> None:
@@ -71,10 +71,9 @@ class Matcher:
         self.smaps_line = re.compile(
             _MAPS_LINE + rb"([^\n]*?(?:" + alternatives + rb")[^\n]*)$", re.MULTILINE
         )
-        self.parsed: dict[bytes, Match | None] = {}  # met in this scan
-        self._previous: dict[bytes, Match | None] = {}
+        self.parsed: dict[bytes, Match | None] = {}
         self.devices: dict[bytes, tuple[int, int]] = {}  # `major:minor` -> ints
-        self._scans = 0
+        self._kept = 0  # what `parsed` may hold before the next look at what is stale
 
     def mentions(self, data: bytes) -> bool:
         """Whether `data` contains any prefix (libc memmem)."""
@@ -85,14 +84,12 @@ class Matcher:
         hit = self.parsed.get(path, _UNKNOWN)
         if hit is not _UNKNOWN:
             return hit  # type: ignore[no-any-return]
-        hit = self._previous.get(path, _UNKNOWN)
-        if hit is _UNKNOWN:
-            classified = classify_path(path.decode(errors="surrogateescape"))
-            parsed = parse_name(classified[1], self.prefixes) if classified else None
-            if classified is None or parsed is None:
-                hit = None
-            else:
-                hit = (classified[0], parsed, (parsed.prefix, parsed.pool))
+        classified = classify_path(path.decode(errors="surrogateescape"))
+        parsed = parse_name(classified[1], self.prefixes) if classified else None
+        if classified is None or parsed is None:
+            hit = None
+        else:
+            hit = (classified[0], parsed, (parsed.prefix, parsed.pool))
         self.parsed[path] = hit
         return hit  # type: ignore[no-any-return]
 
@@ -111,14 +108,23 @@ class Matcher:
         major, minor = self.device(dev)
         return int(ino), major, minor
 
-    def next_scan(self, *, complete: bool = True) -> None:
-        """Called after each scan: every `_ROTATE_EVERY` complete scans, forget the paths
-        none of them met (the objects are gone). Between, and after scans cut short (the
-        processes they did not reach still hold theirs), paths are kept, up to a cap on
-        what a flood of ever-new names can make it keep."""
-        self._scans += complete
-        if self._scans >= _ROTATE_EVERY or len(self.parsed) + len(self._previous) > _NAMES_KEPT:
-            self._previous, self.parsed, self._scans = self.parsed, {}, 0
+    def next_scan(
+        self, read: Iterable[Holdings] = (), *, complete: bool = True, more: Iterable[bytes] = ()
+    ) -> None:
+        """Called after each scan with what it read: when the parsed paths have grown past
+        what the last look kept, keep only the matched paths `read` met and the paths in
+        `more` (the others' objects are gone). After a scan cut short (the processes it
+        did not reach still hold theirs) only when they are more than twice those it met."""
+        if len(self.parsed) <= self._kept:
+            return  # the common case: no more names than the objects the last look kept
+        met = {row[ROW_PATH] for h in read for row in h.rows.values()}
+        met.update(link for h in read for link, _name, _fds in h.unmapped_fds.values())
+        met.update(more)
+        bound = len(met) + max(len(met) // 8, _STALE_SLACK)
+        if len(self.parsed) > (bound if complete else 2 * bound):
+            parsed = self.parsed
+            self.parsed = {path: parsed[path] for path in met if path in parsed}
+        self._kept = len(self.parsed) + max(len(self.parsed) // 8, _STALE_SLACK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +133,9 @@ class Holdings:
 
     pid: int
     rows: dict[Key, Row]  # the matched mapped objects, with the fds that refer to them
-    unmapped_fds: dict[bytes, tuple[ShmName, int]]  # the other matched fds, by link
+    # the other matched fds, by object (by link if its filesystem refused a stat): the
+    # link, its name and how many fds refer to the object
+    unmapped_fds: dict[Key, tuple[bytes, ShmName, int]]
     complete: bool  # False when the deadline stopped the reading part way
 
 
@@ -212,7 +220,7 @@ def _mapped_rows(data: bytes, matcher: Matcher) -> dict[Key, Row]:
     return rows
 
 
-Unmapped = dict[bytes, tuple[ShmName, int]]
+Unmapped = dict[Key, tuple[bytes, ShmName, int]]
 
 
 class _FdReader:
@@ -253,7 +261,7 @@ class _FdReader:
             if candidates is None:
                 hit = lookup(target)
                 if hit is not None:
-                    self._count(target, hit[1])
+                    self._count(entry, target, hit[1])
                 continue
             # which of the objects of that name: its inode says (needed once per object,
             # for its pages); the name alone decides the pool
@@ -266,8 +274,8 @@ class _FdReader:
                     candidates[0][ROW_FDS] += 1
                     continue
                 found = rows.get(key)
-                if found is None:
-                    self._count(target, candidates[0][ROW_MATCH][1])  # an unmapped namesake
+                if found is None:  # an unmapped namesake
+                    self._count(entry, target, candidates[0][ROW_MATCH][1], key)
                     continue
                 found[ROW_ALLOCATED] = blocks * 512
                 found[ROW_FDS] += 1
@@ -292,11 +300,20 @@ class _FdReader:
         if target is not None and any(n in target for n in self.matcher.needles):
             hit = self.matcher.lookup(target)
             if hit is not None:
-                self._count(target, hit[1])
+                self._count(entry, target, hit[1])
 
-    def _count(self, target: bytes, name: ShmName) -> None:
-        seen = self.unmapped.get(target)
-        self.unmapped[target] = (name, 1 if seen is None else seen[1] + 1)
+    def _count(self, entry: bytes, target: bytes, name: ShmName, key: Key | None = None) -> None:
+        """A matched fd that is no mapped object, counted by the object it refers to (its
+        identity says whose it is: `owners`)."""
+        if key is None:
+            try:
+                key = bulkread.stat_fd(self.dir_fd, entry)[0]
+            except GONE:
+                return  # closed since the listing
+            except OSError:  # its filesystem refused a stat: its link stands for it
+                key = target
+        seen = self.unmapped.get(key)
+        self.unmapped[key] = (target, name, 1 if seen is None else seen[2] + 1)
 
 
 def _smaps_resident(pid: Pid, matcher: Matcher, keys: set[Key]) -> dict[Key, int]:

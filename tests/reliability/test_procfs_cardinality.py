@@ -1,6 +1,8 @@
 """The cardinality attack on a root exporter: an unprivileged user (uid 65534) names
-2,000 memfds `hostpool.p<N>.1.1`. The series stay bounded, a real pool (one with memory
-behind it) keeps its own series, and the folded pools are counted."""
+2,000 memfds `hostpool.p<N>.<its pid>.1` (its own pools: named after another process,
+they would count in no pool, tests/reliability/test_procfs_attribution.py). The series
+stay bounded, a real pool (one with memory behind it) keeps its own series, and the
+folded pools are counted."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from hostpool.proc import owners
 from tests.exporting import running_exporter, scrape, value
 from tests.reliability.results import record_procfs_attack as record
 
@@ -23,7 +26,8 @@ MAX_POOLS = 32  # the exporter's default
 
 @contextmanager
 def attacker(uid: int, names: list[str]) -> Iterator[int]:
-    """A forked child running as `uid` that holds one memfd per name until released."""
+    """A forked child running as `uid` that holds one memfd per name (`PID` in a name is
+    its pid) until released."""
     ready_r, ready_w = os.pipe()
     hold_r, hold_w = os.pipe()
     pid = os.fork()
@@ -39,7 +43,8 @@ def attacker(uid: int, names: list[str]) -> Iterator[int]:
             os.setuid(uid)
             _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            fds = [os.memfd_create(name) for name in names]
+            me = str(os.getpid())
+            fds = [os.memfd_create(name.replace("PID", me)) for name in names]
             os.write(ready_w, str(len(fds)).encode())
             os.read(hold_r, 1)  # until the parent closes its end
             code = 0
@@ -74,14 +79,15 @@ def real_pool() -> Iterator[str]:
 def test_an_unprivileged_memfd_flood_cannot_explode_the_series(root: None, real_pool: str) -> None:
     # distinct from other pools on this host, in the attack's exact shape
     tag = secrets.token_hex(2)
-    names = [f"hostpool.p{tag}x{n}.1.1" for n in range(MEMFDS)]
+    names = [f"hostpool.p{tag}x{n}.PID.1" for n in range(MEMFDS)]
     with attacker(65534, names), running_exporter("--match", "hostpool.") as exporter:
         text, samples = scrape(exporter.url)
         log = exporter.stop()
     series = [line for line in text.splitlines() if line.startswith("hostpool_exporter_")]
     pools = {dict(labels)["pool"] for name, labels in samples if name.endswith("_open_fds")}
-    # 4 per-pool gauges x at most 32 pools, folded, processes, scrape duration, truncated
-    assert len(series) <= 4 * MAX_POOLS + 4, len(series)
+    # 4 per-pool gauges x at most 32 pools, folded, processes, scrape duration, truncated,
+    # and the ignored objects by reason
+    assert len(series) <= 4 * MAX_POOLS + 4 + len(owners.REASONS), len(series)
     assert len(pools) <= MAX_POOLS and "_other" in pools
     assert real_pool in pools  # memory behind it: never folded under a flood of names
     folded = value(samples, "hostpool_exporter_pools_folded", prefix="hostpool.")
