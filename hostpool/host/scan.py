@@ -238,7 +238,7 @@ def _object(
     hugetlb: bool,
     orphan: bool = False,
 ) -> HostObject:
-    base = name.rpartition("/")[2]
+    base = name.rpartition("/")[2] if kind == "file" else name  # a memfd's name may hold '/'
     engine = engine_of(base)
     return HostObject(
         kind=kind,
