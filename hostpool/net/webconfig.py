@@ -19,6 +19,13 @@ file that cannot be read or is not what its key says, a hash that is not bcrypt'
 unknown `client_auth_type` or version is a ConfigError naming the key and the file. An
 empty file means plain HTTP without auth, as node_exporter has it.
 
+Each file is opened without blocking and must be a regular file of bounded size (a FIFO
+or /dev/zero is a ConfigError, never a hang; `hostpool.base.config.open_regular`); the
+config must not be writable by others (anyone could add a user or a CA), nor the
+certificate files; the private key must not be readable by others either. TLS loads the
+very files checked (through /proc/self/fd), not whatever their paths name a moment
+later. The YAML may not hold aliases (a "billion laughs") or nest deeper than 32.
+
 `RequestClientCert` and `RequireAnyClientCert` (a client certificate asked for but never
 verified) are refused: Python's ssl module cannot ask for a certificate without
 verifying it. The inline `cert`/`key`, `cipher_suites`, `curve_preferences`,
@@ -27,14 +34,16 @@ verifying it. The inline `cert`/`key`, `cipher_suites`, `curve_preferences`,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import ssl
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hostpool.base.config import read_file
+from hostpool.base.config import load_yaml, open_regular, read_file
 from hostpool.errors import ConfigError
 
 CLIENT_AUTH_TYPES = {
@@ -72,6 +81,40 @@ _UNSUPPORTED = {
 _UNVERIFIED_AUTH = ("RequestClientCert", "RequireAnyClientCert")
 # $2a$, $2b$ or $2y$, a two-digit cost, 22 characters of salt and 31 of hash
 _BCRYPT = re.compile(r"\$2[aby]\$(\d\d)\$[./A-Za-z0-9]{53}")
+MAX_BYTES = 256 << 10  # the web config itself: thousands of users fit; parsing stays short
+
+
+def _not_writable(st: os.stat_result) -> str | None:
+    """What is wrong with a file of the config that others may write (None: nothing)."""
+    if st.st_mode & stat.S_IWOTH:
+        return (
+            f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): anyone could "
+            "change what it says; chmod o-w it"
+        )
+    return None
+
+
+def _private(st: os.stat_result) -> str | None:
+    """What is wrong with a private key file that others may read or write."""
+    if st.st_mode & stat.S_IROTH:
+        return (
+            f"is readable by others (mode {stat.S_IMODE(st.st_mode):04o}): a private key "
+            "must not be; chmod o-rw it"
+        )
+    return _not_writable(st)
+
+
+@dataclass(frozen=True)
+class _Opened:
+    """A file of the config, checked and held open."""
+
+    path: str  # as the config names it, made absolute
+    fd: int
+
+    @property
+    def load(self) -> str:
+        """The path TLS loads it by: the file checked, whatever `path` names by then."""
+        return f"/proc/self/fd/{self.fd}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,9 +148,9 @@ def load(path: str) -> WebConfig:
     YAML, or holds a key, value, path or hash that is wrong (see the module's doc)."""
     import yaml
 
-    raw = read_file(path, what="web config")
+    raw = read_file(path, what="web config", limit=MAX_BYTES, check=_not_writable)
     try:
-        data = yaml.safe_load(raw)
+        data = load_yaml(raw)
     except yaml.YAMLError as exc:
         raise ConfigError(f"web config {path}: not YAML: {' '.join(str(exc).split())}") from None
     if data is None:
@@ -116,7 +159,11 @@ def load(path: str) -> WebConfig:
     _known(table, _TOP_KEYS, path, "")
     base = os.path.dirname(os.path.abspath(path))
     tls = table.get("tls_server_config")
-    context, auth = (None, "NoClientCert") if tls is None else _tls(tls, path, base)
+    if tls is None:
+        context, auth = None, "NoClientCert"
+    else:
+        with contextlib.ExitStack() as files:  # the files stay open until TLS loaded them
+            context, auth = _tls(tls, path, base, files)
     users = _users(table.get("basic_auth_users"), path)
     return WebConfig(path, context, auth, users)
 
@@ -162,33 +209,32 @@ def _choice(table: dict[str, Any], key: str, choices: Mapping[str, Any], path: s
     return value
 
 
-def _file(table: dict[str, Any], key: str, path: str, base: str) -> str | None:
-    """The absolute path under `key`, once it is known to be a readable file."""
+def _file(
+    table: dict[str, Any], key: str, path: str, base: str, files: contextlib.ExitStack
+) -> _Opened | None:
+    """The file under `key`, opened (closed with `files`) once it is known to be a regular
+    file, small enough, and not open to others."""
     value = _text(table, key, path, "tls_server_config.")
     if value is None:
         return None
     full = os.path.join(base, os.path.expanduser(value))
-    try:
-        with open(full, "rb"):
-            pass
-    except OSError as exc:
-        raise ConfigError(
-            f"web config {path}: tls_server_config.{key} {full}: cannot read it: {exc.strerror}"
-        ) from None
-    if not os.path.isfile(full):
-        raise ConfigError(f"web config {path}: tls_server_config.{key} {full} is not a file")
-    return full
+    check = _private if key == "key_file" else _not_writable
+    fd = open_regular(full, what=f"web config {path}: tls_server_config.{key}", check=check)
+    files.callback(os.close, fd)
+    return _Opened(full, fd)
 
 
-def _tls(value: object, path: str, base: str) -> tuple[ssl.SSLContext, str]:
+def _tls(
+    value: object, path: str, base: str, files: contextlib.ExitStack
+) -> tuple[ssl.SSLContext, str]:
     table = _mapping(value, path, "tls_server_config")
     _known(table, _TLS_KEYS, path, "tls_server_config.")
     for name in ("cert_file", "key_file"):
         if table.get(name) is None:
             raise ConfigError(f"web config {path}: tls_server_config.{name} is required")
-    cert = _file(table, "cert_file", path, base)
-    key = _file(table, "key_file", path, base)
-    client_ca = _file(table, "client_ca_file", path, base)
+    cert = _file(table, "cert_file", path, base, files)
+    key = _file(table, "key_file", path, base, files)
+    client_ca = _file(table, "client_ca_file", path, base, files)
     raw_auth = table.get("client_auth_type")
     if raw_auth in _UNVERIFIED_AUTH:
         raise ConfigError(
@@ -228,28 +274,29 @@ def _tls(value: object, path: str, base: str) -> tuple[ssl.SSLContext, str]:
     _pem_certificates(cert, "cert_file", path)
     try:
         # b"" for a passphrase: an encrypted key fails here instead of prompting on a tty
-        context.load_cert_chain(cert, key, password=b"")
+        context.load_cert_chain(cert.load, key.load, password=b"")
     except ssl.SSLError as exc:
         raise ConfigError(
-            f"web config {path}: tls_server_config.key_file {key} is not an unencrypted PEM "
-            f"private key matching cert_file {cert} ({exc.reason or exc})"
+            f"web config {path}: tls_server_config.key_file {key.path} is not an unencrypted "
+            f"PEM private key matching cert_file {cert.path} ({exc.reason or exc})"
         ) from None
     if client_ca is not None:
         _pem_certificates(client_ca, "client_ca_file", path)
-        context.load_verify_locations(cafile=client_ca)
+        context.load_verify_locations(cafile=client_ca.load)
     context.verify_mode = CLIENT_AUTH_TYPES[auth]
     return context, auth
 
 
-def _pem_certificates(file: str, key: str, path: str) -> None:
+def _pem_certificates(file: _Opened, key: str, path: str) -> None:
     """Raise a ConfigError naming `key` unless `file` holds PEM certificates."""
     scratch = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
-        scratch.load_verify_locations(cafile=file)
+        scratch.load_verify_locations(cafile=file.load)
     except (ssl.SSLError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or exc
         raise ConfigError(
-            f"web config {path}: tls_server_config.{key} {file} holds no PEM certificate ({reason})"
+            f"web config {path}: tls_server_config.{key} {file.path} holds no PEM certificate "
+            f"({reason})"
         ) from None
 
 
