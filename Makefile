@@ -67,8 +67,10 @@ prometheus:
 run: $(if $(wildcard $(STAMP)),$(STAMP),$(SERVE_STAMP))
 	exec $(VENV)/bin/hostpool serve $(SERVE_ARGS)
 
+# HOSTPOOL_LEFTOVER_CHECK=1: the run fails if it left anything in /tmp, /dev/shm or
+# nr_hugepages (tests/conftest.py; other runs only report it).
 test: $(STAMP) $(VLLM_STAMP) prometheus sglang-libs
-	$(PY) -m pytest $(PYTEST_ARGS)
+	HOSTPOOL_LEFTOVER_CHECK=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP) sglang-libs
 	$(PY) -m pytest -x -q -m "not slow" $(PYTEST_ARGS)

@@ -1,15 +1,86 @@
 from __future__ import annotations
 
+import fnmatch
+import glob
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 
 from tests import helpers
 
+# What a run must leave as it found it (compared at session end with session start).
+WATCHED_DIRS = ("/tmp", "/dev/shm")
+HUGEPAGE_COUNTS = "/sys/kernel/mm/hugepages/*/nr_hugepages"
+# pytest's own temporary directories (it keeps the last few runs' on purpose), and the
+# runtime directories of runs going on beside this one (each run removes its own).
+NOT_LEFTOVERS = ("pytest-of-*", "hostpool-test-runtime-*")
+_before = pytest.StashKey[dict[str, set[str]]]()
+_runtime_dir = pytest.StashKey[str]()
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "hugepages: reserves hugetlb pages (root)")
+
+
+def _state() -> dict[str, set[str]]:
+    state = {d: set(os.listdir(d)) for d in WATCHED_DIRS if os.path.isdir(d)}
+    for path in glob.glob(HUGEPAGE_COUNTS):
+        with open(path) as f:
+            state[path] = {f.read().strip()}
+    return state
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # The vLLM metrics route writes under $XDG_RUNTIME_DIR, else <tmp>/hostpool-vllm-<uid>
+    # (kept for the next server): give this run's processes a runtime directory of its own.
+    runtime = tempfile.mkdtemp(prefix="hostpool-test-runtime-")
+    os.environ["XDG_RUNTIME_DIR"] = runtime
+    session.config.stash[_runtime_dir] = runtime
+    session.config.stash[_before] = _state()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Report what the run left in /tmp or /dev/shm, or changed in nr_hugepages, that was
+    not so at its start; with HOSTPOOL_LEFTOVER_CHECK=1 (`make test`) the run fails then.
+    Only reported otherwise: on a host where other runs write there at the same time, what
+    they made meanwhile is listed too."""
+    runtime = session.config.stash.get(_runtime_dir, None)
+    if runtime is not None:
+        shutil.rmtree(runtime, ignore_errors=True)
+    before = session.config.stash.get(_before, None)
+    if before is None:
+        return
+    after = _state()
+    left = []
+    for where, names in after.items():
+        if where in WATCHED_DIRS:
+            new = names - before.get(where, set())
+            left += [
+                os.path.join(where, name)
+                for name in sorted(new)
+                if not any(fnmatch.fnmatch(name, p) for p in NOT_LEFTOVERS)
+            ]
+        elif names != before.get(where):
+            left.append(f"{where}: {before.get(where)} at the start, {names} now")
+    if not left:
+        return
+    strict = os.environ.get("HOSTPOOL_LEFTOVER_CHECK") == "1"
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_sep(
+            "=",
+            "left behind by this run"
+            + ("" if strict else " (or made meanwhile by others; HOSTPOOL_LEFTOVER_CHECK=1 fails)"),
+            red=strict,
+            yellow=not strict,
+        )
+        for path in left:
+            reporter.write_line(path)
+    if strict:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture

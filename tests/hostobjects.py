@@ -89,10 +89,8 @@ def holder(size: int, directory: str = "/dev/shm") -> Iterator[Held]:
         assert line, "the holder died before it was ready"
         yield Held(proc, json.loads(line))
     finally:
-        if proc.stdin is not None:
-            proc.stdin.close()
         try:
-            proc.wait(timeout=60)
+            proc.communicate(timeout=60)  # closes stdin (EOF ends it), reads stdout
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

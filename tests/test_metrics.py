@@ -234,16 +234,14 @@ def test_multiprocess_workers_sum_and_vanish(tmp_path: os.PathLike[str]) -> None
     assert _value(samples, "hostpool_allocations_total", pool="kv") == 2
     dead = workers[1]
     assert dead.stdin is not None
-    dead.stdin.close()
-    dead.wait(timeout=30)
+    dead.communicate(timeout=30)  # closes stdin (EOF ends it), reads stdout to the end
     multiprocess.mark_process_dead(dead.pid, path=os.fspath(tmp_path))
     samples = collect()
     assert _value(samples, "hostpool_allocated_bytes", pool="kv") == MiB
     assert not [v for lab, v in samples["hostpool_allocated_bytes"] if lab["pool"] == "own_b"]
     alive = workers[0]
     assert alive.stdin is not None
-    alive.stdin.close()
-    alive.wait(timeout=30)
+    alive.communicate(timeout=30)
 
 
 def _meminfo_total() -> int:
@@ -326,5 +324,4 @@ def test_multiprocess_publishes_at_start_with_the_true_duration_sum(
         assert published == pytest.approx(float(total_text), rel=1e-9)
     finally:
         assert worker.stdin is not None
-        worker.stdin.close()
-        worker.wait(timeout=30)
+        worker.communicate(timeout=30)  # closes stdin, reads stdout to the end

@@ -406,8 +406,7 @@ sys.stdin.readline()
         assert by_pid[children[0]].resident_bytes == 5 * PAGE
     finally:
         assert proc.stdin is not None
-        proc.stdin.close()  # both read it: EOF ends both
-        proc.wait()
+        proc.communicate(timeout=waiting.DEADLINE)  # closes stdin: EOF ends both
         for pid in children:
             _wait_gone(pid)
 

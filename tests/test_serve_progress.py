@@ -52,7 +52,11 @@ def screen(raw: str) -> list[str]:
 
 def serve_on_a_pty(config: Path, *flags: str) -> str:
     """Everything `hostpool serve --log-format console FLAGS` wrote to its terminal (a
-    real pty) until it served, was stopped with SIGTERM and exited 0."""
+    real pty) until it served, was stopped with SIGTERM and exited 0.
+
+    The pty is read until the child closes it, also while it stops: a pty's buffer is
+    small, and a child whose stop lines fill it blocks writing them, so it would never
+    exit while nobody reads."""
     leader, follower = pty.openpty()
     proc = subprocess.Popen(
         [sys.executable, "-m", "hostpool", "--log-format", "console", *flags,
@@ -62,30 +66,39 @@ def serve_on_a_pty(config: Path, *flags: str) -> str:
         stderr=follower,
     )  # fmt: skip
     os.close(follower)
-    raw = b""
+    raw = bytearray()
     try:
         deadline = time.monotonic() + DEADLINE
-        while b"hostpool.serving" not in raw:
-            assert time.monotonic() < deadline, raw[-2000:]
-            assert proc.poll() is None, raw[-2000:]
-            if select.select([leader], [], [], 0.5)[0]:
-                raw += os.read(leader, 65536)
+        closed = read_pty(leader, raw, deadline, until=b"hostpool.serving")
+        assert not closed and b"hostpool.serving" in raw, (proc.poll(), raw[-2000:])
         proc.send_signal(signal.SIGTERM)
+        assert read_pty(leader, raw, time.monotonic() + DEADLINE), raw[-2000:]
         assert proc.wait(timeout=DEADLINE) == 0
-        while select.select([leader], [], [], 0.2)[0]:
-            try:
-                chunk = os.read(leader, 65536)
-            except OSError:  # EIO: the child's side is closed
-                break
-            if not chunk:
-                break
-            raw += chunk
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         os.close(leader)
     return raw.decode(errors="replace")
+
+
+def read_pty(leader: int, into: bytearray, deadline: float, until: bytes | None = None) -> bool:
+    """Append what the pty's other side writes to `into` until `until` is in it (False)
+    or the other side is closed by every process that had it (True: its end of output);
+    fails at `deadline`."""
+    while until is None or until not in into:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {until!r} and no end of output: {into[-2000:]!r}"
+        if not select.select([leader], [], [], min(left, 0.5))[0]:
+            continue
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: no process has the other side open any more
+            return True
+        if not chunk:
+            return True
+        into += chunk
+    return False
 
 
 def test_progress_bar_within_a_chunk_and_untorn_by_logs(tmp_path: Path) -> None:
@@ -103,3 +116,14 @@ def test_progress_bar_within_a_chunk_and_untorn_by_logs(tmp_path: Path) -> None:
         assert not (BAR.search(line) and "hostpool." in line), line
     final = [x for x in lines if BAR.search(x)]
     assert final and BAR.search(final[-1]).group(1) == "512MiB"  # type: ignore[union-attr]
+
+
+def test_stop_lines_beyond_the_pty_buffer(tmp_path: Path) -> None:
+    """A stop that logs more than a pty holds (a debug release line per chunk, 2,048
+    chunks) still ends: the pty is read while serve stops."""
+    config = tmp_path / "serve.toml"
+    config.write_text('[pools.kv]\nsize = "8MiB"\nchunk = "4KiB"\n')
+    text = serve_on_a_pty(config, "--log-level", "debug")
+    released = [x for x in screen(text) if "hostpool.release" in x]
+    assert len(released) == 2048
+    assert "hostpool.serve_stopped" in text
