@@ -12,7 +12,13 @@ class HostPoolError(Exception):
 
 
 class InvalidRequestError(HostPoolError, ValueError):
-    """A request that can never succeed as written: bad dims, dtype, device, option or name."""
+    """A request that can never succeed as written: bad dims, dtype, device, option or name.
+    `option`: the allocator option that is wrong, where one is (so a caller can name it
+    as its user wrote it: a config key, a flag)."""
+
+    def __init__(self, message: str, *, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
 
 
 class ConfigError(HostPoolError, ValueError):

@@ -66,11 +66,16 @@ class HostTensorAllocator:
         track_stacks: bool | None = None,
         admission: Admission | None = None,
         retain: bool = False,
+        region_options: RegionOptions | None = None,
         **options: Any,
     ) -> None:
         self.pool = validate_pool_name(pool)
         self._retained: list[torch.Tensor] | None = [] if retain else None
-        self.options = RegionOptions.parse(**options)
+        if region_options is not None and options:
+            raise InvalidRequestError(
+                f"pass options as region_options or as keywords, not both: {sorted(options)}"
+            )
+        self.options = region_options or RegionOptions.parse(**options)
         self._ledger = ledger or get_ledger()
         self._id = next(_allocator_ids)
         self._track_stacks = track_stacks

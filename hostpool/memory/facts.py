@@ -51,5 +51,5 @@ def holder_over_tensor(tensor: Any, nbytes: int) -> Any:
     """A holder of `nbytes` over a CPU tensor's memory that keeps the tensor (the memory's
     owner: torch, or another allocator) alive as long as any view of the holder."""
     holder = holder_type(nbytes).from_address(int(tensor.data_ptr()))
-    holder._owner = tensor  # type: ignore[attr-defined]  # holder_type gives it a __dict__
+    holder.keeps_alive = tensor  # type: ignore[attr-defined]  # holder_type gives it a __dict__
     return holder

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -51,47 +52,83 @@ class RegionOptions:
 
     @classmethod
     def parse(cls, **options: Any) -> RegionOptions:
+        """The options' value, checked; an InvalidRequestError names the wrong `option`."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
             raise InvalidRequestError(
-                f"unknown allocator option(s) {unknown}; known: {sorted(known)}"
+                f"unknown allocator option(s) {unknown}; known: {sorted(known)}",
+                option=unknown[0],
             )
         values: dict[str, Any] = {}
-        mode = options.get("hugepages", "off")
-        mode = "off" if mode is None or mode is False else mode
-        values["hugepages"] = _one_of("hugepages", mode, HUGEPAGE_MODES)
-        if "hugepage_size" in options:
-            values["hugepage_size"] = _hugepage_size(options["hugepage_size"])
-        values["populate"] = _one_of("populate", options.get("populate", "auto"), POPULATE_CHOICES)
-        threads = options.get("populate_threads", 0)
-        if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= 256:
-            raise InvalidRequestError(f"populate_threads must be an int in 0..256, got {threads!r}")
-        values["populate_threads"] = threads
-        values["pin"] = _flag("pin", options.get("pin", False))
-        if "pin_chunk_bytes" in options:
-            chunk = parse_size(options["pin_chunk_bytes"], what="pin_chunk_bytes")
-            if chunk <= 0:
-                raise InvalidRequestError("pin_chunk_bytes must be positive")
-            values["pin_chunk_bytes"] = chunk
-        values["numa_node"] = _numa_node(options.get("numa_node"))
-        backend = options.get("shm_backend", "auto")
-        values["shm_backend"] = _one_of("shm_backend", backend, SHM_BACKENDS)
-        fallback_dir = options.get("fallback_dir", "/dev/shm")
-        if not isinstance(fallback_dir, str | os.PathLike) or not os.path.isdir(fallback_dir):
-            raise InvalidRequestError(
-                f"fallback_dir must be an existing directory: {fallback_dir!r}"
-            )
-        values["fallback_dir"] = os.fspath(fallback_dir)
-        prefix = options.get("name_prefix", "hostpool.")
-        if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", prefix):
-            raise InvalidRequestError(f"name_prefix must be [A-Za-z0-9_.-]{{1,64}}: {prefix!r}")
-        values["name_prefix"] = prefix
-        values["seal"] = _flag("seal", options.get("seal", True))
+        for name, read in _PARSERS.items():
+            try:
+                parsed = read(options)
+            except InvalidRequestError as exc:
+                exc.option = exc.option or name
+                raise
+            if parsed is not _DEFAULT:
+                values[name] = parsed
         return cls(**values)
 
     def effective_populate_threads(self) -> int:
         return self.populate_threads or _DEFAULT_THREADS
+
+
+_DEFAULT: Any = object()  # a parser's "not given: the field's default"
+
+
+def _hugepages(options: dict[str, Any]) -> object:
+    mode = options.get("hugepages", "off")
+    return _one_of("hugepages", "off" if mode is None or mode is False else mode, HUGEPAGE_MODES)
+
+
+def _populate_threads(options: dict[str, Any]) -> int:
+    threads = options.get("populate_threads", 0)
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= 256:
+        raise InvalidRequestError(f"populate_threads must be an int in 0..256, got {threads!r}")
+    return threads
+
+
+def _pin_chunk_bytes(options: dict[str, Any]) -> object:
+    if "pin_chunk_bytes" not in options:
+        return _DEFAULT
+    chunk = parse_size(options["pin_chunk_bytes"], what="pin_chunk_bytes")
+    if chunk <= 0:
+        raise InvalidRequestError("pin_chunk_bytes must be positive")
+    return chunk
+
+
+def _fallback_dir(options: dict[str, Any]) -> str:
+    fallback_dir = options.get("fallback_dir", "/dev/shm")
+    if not isinstance(fallback_dir, str | os.PathLike) or not os.path.isdir(fallback_dir):
+        raise InvalidRequestError(f"fallback_dir must be an existing directory: {fallback_dir!r}")
+    return os.fspath(fallback_dir)
+
+
+def _name_prefix(options: dict[str, Any]) -> str:
+    prefix = options.get("name_prefix", "hostpool.")
+    if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", prefix):
+        raise InvalidRequestError(f"name_prefix must be [A-Za-z0-9_.-]{{1,64}}: {prefix!r}")
+    return prefix
+
+
+# One reader per option: what `options` says of it, checked (or _DEFAULT).
+_PARSERS: dict[str, Callable[[dict[str, Any]], object]] = {
+    "hugepages": _hugepages,
+    "hugepage_size": lambda o: (
+        _hugepage_size(o["hugepage_size"]) if "hugepage_size" in o else _DEFAULT
+    ),
+    "populate": lambda o: _one_of("populate", o.get("populate", "auto"), POPULATE_CHOICES),
+    "populate_threads": _populate_threads,
+    "pin": lambda o: _flag("pin", o.get("pin", False)),
+    "pin_chunk_bytes": _pin_chunk_bytes,
+    "numa_node": lambda o: _numa_node(o.get("numa_node")),
+    "shm_backend": lambda o: _one_of("shm_backend", o.get("shm_backend", "auto"), SHM_BACKENDS),
+    "fallback_dir": _fallback_dir,
+    "name_prefix": _name_prefix,
+    "seal": lambda o: _flag("seal", o.get("seal", True)),
+}
 
 
 def _one_of(name: str, value: object, choices: tuple[str, ...]) -> object:
@@ -108,7 +145,9 @@ def _flag(name: str, value: object) -> bool:
     return value
 
 
-def _hugepage_size(value: object) -> int:
+def _hugepage_size(value: object) -> object:
+    if value is _DEFAULT:
+        return _DEFAULT
     size = parse_size(value, what="hugepage_size")
     if size <= 0 or size & (size - 1):
         raise InvalidRequestError(

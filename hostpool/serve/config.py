@@ -7,13 +7,14 @@ with a message an operator can act on.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hostpool.base.config import load_file
 from hostpool.base.units import parse_size
-from hostpool.errors import ConfigError, HostPoolError
+from hostpool.errors import ConfigError, HostPoolError, InvalidRequestError
 from hostpool.memory.options import RegionOptions, validate_pool_name
 
 if TYPE_CHECKING:  # ssl is imported only when a web config file is given
@@ -68,7 +69,7 @@ class PoolSpec:
     size: int
     allocator: str = "shm"
     chunk: int = DEFAULT_CHUNK
-    options: dict[str, Any] = field(default_factory=dict)
+    options: RegionOptions = field(default_factory=RegionOptions)  # parsed once, here
 
 
 @dataclass(frozen=True)
@@ -113,12 +114,14 @@ def pool_spec(name: str, table: dict[str, Any], defaults: dict[str, Any] | None 
     allocator = merged.pop("allocator", "shm")
     if allocator not in allocator_names():
         raise ConfigError(f"{prefix}.allocator: unknown {allocator!r}; known: {allocator_names()}")
-    for key, value in merged.items():
-        try:
-            RegionOptions.parse(**{key: value})
-        except HostPoolError as exc:
-            raise ConfigError(f"{prefix}.{key}: {exc}") from None
-    return PoolSpec(name=name, size=size, allocator=allocator, chunk=chunk, options=merged)
+    try:
+        options = RegionOptions.parse(**merged)
+    except InvalidRequestError as exc:
+        where = f"{prefix}.{exc.option}" if exc.option else prefix
+        raise ConfigError(f"{where}: {exc}") from None
+    except HostPoolError as exc:
+        raise ConfigError(f"{prefix}: {exc}") from None
+    return PoolSpec(name=name, size=size, allocator=allocator, chunk=chunk, options=options)
 
 
 def from_mapping(data: dict[str, Any], base_dir: str | None = None) -> ServeConfig:
@@ -186,6 +189,18 @@ def from_file(path: str) -> ServeConfig:
     if not os.path.splitext(path)[1]:
         raise ConfigError(f"{path}: config files end in .toml, .json or .yaml")
     return from_mapping(load_file(path, what="serve config"), os.path.dirname(path))
+
+
+def attributed(message: str, flags: dict[str, str], path: str | None) -> str:
+    """A ConfigError's `message` as the operator wrote it: each config key a flag set
+    (`flags`: `server.port` -> `--port`) named as that flag; otherwise, when the mapping
+    came from the file `path`, the file named first."""
+    if flags:
+        keys = "|".join(re.escape(k) for k in sorted(flags, key=len, reverse=True))
+        named = re.sub(rf"(?<![\w.])({keys})(?!\w)", lambda m: flags[m.group(1)], message)
+        if named != message:
+            return named
+    return f"{path}: {message}" if path else message
 
 
 def parse_pool_flag(flag: str) -> tuple[str, str]:

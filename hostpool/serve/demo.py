@@ -108,7 +108,7 @@ class DemoLoad:
                 self._provoke_once()
                 self.provoked += 1
                 next_provoke += self.provoke_every
-            for chunks in list(self.service.tensors.values()):
+            for chunks in [p.regions for p in list(self.service.pools.values())]:
                 if not chunks:
                     continue
                 t = self.rng.choice(chunks)

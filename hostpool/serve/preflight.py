@@ -33,22 +33,17 @@ from hostpool.core.budget import Admission
 from hostpool.errors import (
     AllocationError,
     ConfigError,
-    HostPoolError,
     HugepageUnavailableError,
     ShareSocketInUseError,
 )
 from hostpool.memory import cgroup, kernel
-from hostpool.memory.options import RegionOptions
 from hostpool.serve.config import PoolSpec, ServeConfig
 from hostpool.share.socketpath import SocketPath
 
 
 def _hugetlb_size(spec: PoolSpec) -> int | None:
     """The hugetlb page size a pool must get (hugepages="required"), else None."""
-    try:
-        options = RegionOptions.parse(**spec.options)
-    except HostPoolError as exc:  # already validated by the config; kept for safety
-        raise ConfigError(f"pools.{spec.name}: {exc}") from None
+    options = spec.options
     return options.hugepage_size if options.hugepages == "required" else None
 
 
@@ -57,7 +52,7 @@ def _shm_directory(spec: PoolSpec, has_memfd: bool) -> str | None:
     or None when its regions are memfds or not shm at all."""
     if spec.allocator != "shm":
         return None
-    options = RegionOptions.parse(**spec.options)  # validated by the config
+    options = spec.options
     if options.shm_backend == "devshm" or (options.shm_backend == "auto" and not has_memfd):
         return options.fallback_dir
     return None

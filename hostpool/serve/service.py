@@ -5,11 +5,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hostpool.base import events
+from hostpool.core.allocators import HostTensorAllocator
 from hostpool.core.manager import LeakReport, PoolManager
 from hostpool.core.records import AllocationRecord
 from hostpool.serve import debugdoc
@@ -19,8 +21,25 @@ from hostpool.serve.config import PoolSpec, ServeConfig
 Progress = Callable[[str, int, int], None]
 
 
+@dataclass
+class ServedPool:
+    """One configured pool as serve holds it: its spec (size, allocator, parsed options),
+    its allocator, and its regions' tensors (one per chunk), in allocation order."""
+
+    spec: PoolSpec
+    allocator: HostTensorAllocator
+    regions: list[torch.Tensor] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Release every region explicitly (newest first); the last view goes with it."""
+        while self.regions:
+            tensor = self.regions.pop()
+            self.allocator.release(tensor)
+            del tensor  # the last view: the mapping goes now
+
+
 class PoolService:
-    """Owns a PoolManager and the tensors of every configured pool."""
+    """Owns a PoolManager and every configured pool (`pools`: name -> ServedPool)."""
 
     def __init__(self, config: ServeConfig, *, track_stacks: bool = False) -> None:
         self.config = config
@@ -31,7 +50,7 @@ class PoolService:
 
             budget = self.host_budget = HostBudget(config.host_budget, config.budget_dir)
         self.manager = PoolManager(budget=budget, track_stacks=track_stacks)
-        self.tensors: dict[str, list[torch.Tensor]] = {}
+        self.pools: dict[str, ServedPool] = {}
         self.started_at = time.time()
 
     def allocate_all(
@@ -45,8 +64,9 @@ class PoolService:
     def _allocate_pool(
         self, spec: PoolSpec, progress: Progress | None, stop: threading.Event | None
     ) -> None:
-        allocator = self.manager.allocator(spec.name, spec.allocator, **spec.options)
-        chunks = self.tensors.setdefault(spec.name, [])
+        allocator = self.manager.allocator(spec.name, spec.allocator, region_options=spec.options)
+        served = self.pools.setdefault(spec.name, ServedPool(spec, allocator))
+        chunks = served.regions
         done = 0
         started = time.perf_counter()
         if progress is not None:
@@ -77,13 +97,8 @@ class PoolService:
 
     def close(self) -> LeakReport:
         """Release every pool explicitly, then drop the tensors so nothing stays mapped."""
-        for pool, chunks in self.tensors.items():
-            allocator = self.manager.allocator_for(pool)
-            while chunks:
-                tensor = chunks.pop()
-                if allocator is not None:
-                    allocator.release(tensor)
-                del tensor  # the last view: the mapping goes now
+        for served in self.pools.values():
+            served.release()
         report = self.manager.close()
         if self.host_budget is not None:
             self.host_budget.close()  # its reservation file goes with it

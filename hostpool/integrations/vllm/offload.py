@@ -5,7 +5,7 @@ where vLLM's own worker cannot run (`HostCopyWorker`, e.g. on a CPU platform).""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ from vllm.v1.kv_offload.base import (
 from hostpool.core.ledger import get_ledger
 from hostpool.core.manager import PoolManager
 from hostpool.integrations.vllm import metrics_route
+from hostpool.memory.options import RegionOptions
 
 # Under vLLM's logger tree, so the lines appear in the server's log as vLLM's own do.
 logger = init_logger(f"vllm.{__name__}")
@@ -40,7 +41,7 @@ class HostpoolRegion:
         pool: str,
         num_chunks: int,
         row_bytes: int,
-        options: Mapping[str, Any],
+        options: RegionOptions,
         budget: int | None,
     ) -> None:
         self.pool = pool
@@ -48,7 +49,7 @@ class HostpoolRegion:
         self.row_bytes = row_bytes
         self.manager = PoolManager(budget=budget)
         try:
-            self.allocator = self.manager.allocator(pool, "shm", **options)
+            self.allocator = self.manager.allocator(pool, "shm", region_options=options)
             self.tensor: torch.Tensor | None = self.allocator.allocate(
                 (num_chunks, row_bytes), torch.int8
             )

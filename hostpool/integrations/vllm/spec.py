@@ -87,7 +87,7 @@ ALLOCATOR_OPTIONS = {
 OTHER_OPTIONS = {"hostpool_pool", "hostpool_budget", "hostpool_metrics_dir"}
 
 
-def hostpool_options(extra_config: Mapping[str, Any]) -> tuple[str, dict[str, Any], int | None]:
+def hostpool_options(extra_config: Mapping[str, Any]) -> tuple[str, RegionOptions, int | None]:
     """(pool, allocator options, budget bytes or None) from `kv_connector_extra_config`.
 
     Raises ConfigError for an unknown `hostpool_*` key and InvalidRequestError (hostpool's
@@ -104,12 +104,14 @@ def hostpool_options(extra_config: Mapping[str, Any]) -> tuple[str, dict[str, An
         known = ", ".join(sorted({*ALLOCATOR_OPTIONS, *OTHER_OPTIONS}))
         raise ConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {known}")
     pool = validate_pool_name(extra_config.get("hostpool_pool", DEFAULT_POOL))
-    options = {
-        option: extra_config[key]
-        for key, option in ALLOCATOR_OPTIONS.items()
-        if key in extra_config
-    }
-    RegionOptions.parse(**options)  # bad values fail here, when vLLM builds the connector
+    # parsed once, here: bad values fail when vLLM builds the connector
+    options = RegionOptions.parse(
+        **{
+            option: extra_config[key]
+            for key, option in ALLOCATOR_OPTIONS.items()
+            if key in extra_config
+        }
+    )
     budget = extra_config.get("hostpool_budget")
     return pool, options, None if budget is None else parse_size(budget, what="hostpool_budget")
 
