@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from hostpool.base.units import format_size, parse_size
 from hostpool.cli.command import Subcommand
+from hostpool.cli.exitcodes import INVALID, NOT_NOW, OK
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,6 +18,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hugepages", default="prefer", choices=("off", "prefer", "required"))
     p.add_argument("--hugepage-size", default="2MB")
     p.add_argument("--need", default="0", help="bytes a pool needs, e.g. 64GiB")
+    k8s = p.add_argument_group(
+        "Kubernetes",
+        "--kubernetes: the pod resources the pools of --config FILE or of an engine command "
+        "line (after --) need, as a strategic merge patch of a Deployment, and this node's "
+        "limits against them, one verdict per line (exit 1 if one fails)",
+    )
+    k8s.add_argument("--kubernetes", action="store_true", help="size a pod (see above)")
+    k8s.add_argument("--config", metavar="FILE", help="a hostpool serve config's pools")
+    k8s.add_argument(
+        "--engine-memory",
+        default="0",
+        metavar="SIZE",
+        help="the engine's own memory besides its pools, added to the memory limit (0)",
+    )
+    k8s.add_argument(
+        "--shm-extra",
+        default="0",
+        metavar="SIZE",
+        help="room in /dev/shm for the engine's other files (NCCL, torch), besides its pools (0)",
+    )
+    k8s.add_argument("--container", default="engine", help="the engine container's name")
+    k8s.add_argument(
+        "engine_command",
+        nargs=argparse.REMAINDER,
+        metavar="-- COMMAND",
+        help="a vLLM or sglang command line",
+    )
 
 
 def _yes(flag: bool) -> str:
@@ -54,6 +83,12 @@ def _thp(choice: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     from hostpool.core.doctor import facts, plan
 
+    command = args.engine_command[1:] if args.engine_command[:1] == ["--"] else args.engine_command
+    if args.kubernetes:
+        return _kubernetes(args, command)
+    if args.config or command:
+        print("hostpool doctor: --config and a command line go with --kubernetes", file=sys.stderr)
+        return INVALID
     need = parse_size(args.need, what="--need")
     report = {"host": facts(), "plan": plan(args.hugepages, args.hugepage_size, need)}
     if args.json:
@@ -93,8 +128,62 @@ def run(args: argparse.Namespace) -> int:
     for kind, choice in chosen["thp_choice"].items():
         lines.append(f"THP for {kind:<13}{_thp(choice)}")
     lines += [f"PROBLEM: {p}" for p in chosen["problems"]]
+    if chosen["ok"] and (need or args.hugepages == "required"):  # a check: say it passed
+        lines.append(
+            f"OK: {format_size(need)} with hugepages {args.hugepages} fits this host now"
+            if need
+            else f"OK: {args.hugepage_size} hugepages are available (hugepages required)"
+        )
     print("\n".join(lines))
     return 0 if chosen["ok"] else 1
+
+
+def _kubernetes(args: argparse.Namespace, command: list[str]) -> int:
+    import yaml
+
+    from hostpool.core import enginecmd, podplan
+
+    if bool(args.config) == bool(command):
+        print(
+            "hostpool doctor: --kubernetes sizes either --config FILE or an engine command "
+            "line after --, one of them",
+            file=sys.stderr,
+        )
+        return INVALID
+    if args.config:
+        from hostpool.serve.config import from_file
+
+        needs = podplan.needs_from_pools(from_file(args.config).pools)
+    else:
+        needs = enginecmd.needs_from_command(command)
+    engine = parse_size(args.engine_memory, what="--engine-memory")
+    extra = parse_size(args.shm_extra, what="--shm-extra")
+    patch = podplan.pod_resources(
+        needs, engine_memory=engine, shm_extra=extra, container=args.container
+    )
+    verdicts = podplan.node_checks(needs, engine_memory=engine, shm_extra=extra)
+    ok = all(v.ok for v in verdicts)
+    if args.json:
+        print(json.dumps(podplan.as_json(needs, patch, verdicts), indent=2, sort_keys=True))
+        return OK if ok else NOT_NOW
+    # stdout stays a valid patch: what it was sized from and the verdicts are comments
+    lines = [
+        f"# {n.name}: {format_size(n.size_bytes)} {n.backing}"
+        + (f", hugepages {n.hugepages} {format_size(n.hugepage_size)}" if n.hugetlb else "")
+        + (", pinned" if n.pinned else "")
+        + f" ({n.source})"
+        for n in needs
+    ]
+    lines.append(
+        f"# RLIMIT_MEMLOCK >= {format_size(podplan.pinned_bytes(needs))}: no pod field sets it "
+        "(the container runtime's, e.g. LimitMEMLOCK= in containerd's unit)"
+    )
+    if not engine:
+        lines.append("# memory counts the pools only: add the engine's own with --engine-memory")
+    print("\n".join(lines))
+    print(yaml.safe_dump(patch, sort_keys=False), end="")
+    print("\n".join(f"# {v.line()}" for v in verdicts))
+    return OK if ok else NOT_NOW
 
 
 COMMAND = Subcommand(
@@ -105,7 +194,9 @@ COMMAND = Subcommand(
         "MADV_POPULATE_WRITE, memory, hugepages per size, THP, /dev/shm, rlimits, the cgroup "
         "limit, CUDA, and what allocations with --hugepages/--hugepage-size would get. With "
         "--need SIZE (or --hugepages required) it is a check: exit 1 when this host cannot "
-        "hold it now, naming each problem."
+        "hold it now, naming each problem. With --kubernetes it sizes a pod instead: the "
+        "resources the pools of a serve config or an engine command line need, and this "
+        "node's limits against them."
     ),
     add_arguments=add_arguments,
     run=run,
