@@ -1,8 +1,10 @@
 """Byte sizes and durations as people write them: 4096, "2MB", "2MiB", "1GB", "4GiB",
-"512k"; "0", "30s", "10m", "2h", "1d", "1.5h"."""
+"512k"; "0", "30s", "10m", "2h", "1d", "1.5h"; and moments as every output writes them
+(`iso_utc`)."""
 
 from __future__ import annotations
 
+import datetime
 import re
 
 from hostpool.errors import InvalidRequestError
@@ -92,3 +94,10 @@ def format_duration(seconds: float) -> str:
     if minutes:
         return f"{minutes}m{secs}s" if secs else f"{minutes}m"
     return f"{secs}s"
+
+
+def iso_utc(epoch: float) -> str:
+    """`epoch` (seconds since 1970, as time.time()) as ISO-8601 UTC with milliseconds,
+    e.g. `2026-01-31T12:00:00.123Z`: the one form of a moment in JSON output."""
+    moment = datetime.datetime.fromtimestamp(epoch, tz=datetime.UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,7 +12,9 @@ from dataclasses import dataclass
 class Subcommand:
     """One subcommand. `help` is its line in `hostpool --help`, `description` the text of
     `hostpool NAME --help` (kept as written when `raw_description`), `add_arguments` adds
-    its flags, `run` runs it and returns the exit status (hostpool.cli.exitcodes)."""
+    its flags, `run` runs it and returns the exit status (hostpool.cli.exitcodes);
+    `epilog`, what its exit statuses mean when the shared text (serve's causes) does not
+    fit it."""
 
     name: str
     help: str
@@ -19,6 +22,7 @@ class Subcommand:
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
     raw_description: bool = False
+    epilog: str | None = None
 
     def add_to(self, subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
         """Its parser, added to `subparsers`, with `run` as the `run` default."""
@@ -26,6 +30,7 @@ class Subcommand:
             self.name,
             help=self.help,
             description=self.description,
+            epilog=textwrap.fill(self.epilog, 79) if self.epilog else None,
             formatter_class=(
                 argparse.RawDescriptionHelpFormatter
                 if self.raw_description

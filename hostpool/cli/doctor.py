@@ -15,8 +15,20 @@ from hostpool.cli.exitcodes import INVALID, NOT_NOW, OK
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Its flags."""
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--hugepages", default="prefer", choices=("off", "prefer", "required"))
-    p.add_argument("--hugepage-size", default="2MB")
+    p.add_argument(
+        "--hugepages",
+        default="prefer",
+        choices=("off", "prefer", "required"),
+        help="what allocations would ask for, as the pool option: prefer (default: hugetlb "
+        "if free, else THP or 4 KiB pages), off, or required (a check: exit 1 when too few "
+        "hugepages of --hugepage-size are free)",
+    )
+    p.add_argument(
+        "--hugepage-size",
+        default="2MB",
+        metavar="SIZE",
+        help="the hugetlb page size to check, e.g. 2MB or 1GB (default 2MB)",
+    )
     p.add_argument("--need", default="0", help="bytes a pool needs, e.g. 64GiB")
     k8s = p.add_argument_group(
         "Kubernetes",

@@ -40,7 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument(
         "--pid",
         type=_pid,
-        help="one process, every known name prefix (it may start later: target_up 0 till then)",
+        action=_Once,
+        help="one process, every known name prefix (it may start later: target_up 0 till "
+        "then); given once: --match PREFIX watches several",
     )
     target.add_argument(
         "--match",
@@ -144,8 +146,10 @@ def run(args: argparse.Namespace) -> int:
     http = Listener(bind(args.host, args.port), web_config=web).serve(app)
 
     stop = threading.Event()
+    stopped_by: list[str] = ["?"]
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        stopped_by[0] = signal.Signals(signum).name
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -167,9 +171,31 @@ def run(args: argparse.Namespace) -> int:
             detail="no process has this pid yet: hostpool_exporter_target_up is 0 until one "
             "does" + (f" ({absent.hint})" if absent.hint else ""),
         )
+    url = http.url("/metrics")
     stop.wait()
     http.stop()
+    events.info("hostpool.exporter_stopped", url=url, signal=stopped_by[0])
     return 0
+
+
+class _Once(argparse.Action):
+    """A flag that may be given once: a second value is a usage error, not a silent
+    replacement of the first."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        before = getattr(namespace, self.dest, None)
+        if before is not None:
+            parser.error(
+                f"{option_string} is given twice ({before} and {values}): the exporter watches "
+                "one pid; --match PREFIX watches every process holding PREFIX"
+            )
+        setattr(namespace, self.dest, values)
 
 
 def _int_in(text: str, what: str, low: int, high: int) -> int:

@@ -3,8 +3,8 @@
 Flags only what /proc can decide: a memfd held open but not mapped, a mapping whose
 object no fd of the process holds, and one object mapped twice. A table on a TTY,
 `key=value` lines otherwise (both with human sizes and times, every name read from /proc
-escaped), JSON with `--json` (exact bytes and epoch times; one line per snapshot with
-`--watch`).
+escaped), JSON with `--json` (exact bytes, times in ISO 8601 UTC as /debug/pools and the
+logs have them; one line per snapshot with `--watch`).
 
 Exit codes: 0 ok; 2 no such process or bad usage; 1 not allowed to read it, it exited
 while being watched, or `--check` found something.
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, TextIO
 
-from hostpool.base.units import format_size
+from hostpool.base.units import format_size, iso_utc
 from hostpool.cli.command import Subcommand
 from hostpool.proc import names, procfs, procgroup
 from hostpool.proc.textsafe import field, printable
@@ -100,7 +100,7 @@ def report(pid: int, prefixes: Sequence[str]) -> dict[str, Any]:
     return {
         "pid": pid,
         "command": procfs.command_name(pid),
-        "time": time.time(),
+        "time": iso_utc(time.time()),
         "prefixes": list(prefixes),
         "pools": [
             {
@@ -155,9 +155,10 @@ def render_plain(snapshot: dict[str, Any], out: TextIO) -> None:
     """A `process` line, then one `key=value` line per pool and per finding: for grep and
     awk. Names are escaped and quoted when needed (`--json` has exact bytes)."""
     pools, found = snapshot["pools"], snapshot["findings"]
+    when = _local(snapshot["time"]).isoformat(timespec="seconds")
     head = (
         f"process pid={snapshot['pid']} command={field(snapshot['command'] or '?')} "
-        f"time={_iso_time(snapshot['time'])} pools={len(pools)} findings={len(found)}"
+        f"time={when} pools={len(pools)} findings={len(found)}"
     )
     if not pools:
         head += f" note={field('no shared memory named ' + _prefixes(snapshot))}"
@@ -179,7 +180,7 @@ def render_plain(snapshot: dict[str, Any], out: TextIO) -> None:
 
 def render_table(snapshot: dict[str, Any], out: TextIO) -> None:
     pools = snapshot["pools"]
-    when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(snapshot["time"]))
+    when = _local(snapshot["time"]).strftime("%Y-%m-%d %H:%M:%S %Z")
     who = f"pid {snapshot['pid']} ({printable(snapshot['command'] or '?')}) at {when}"
     if not pools:
         out.write(f"{who}: no shared memory named {_prefixes(snapshot)}\n")
@@ -220,8 +221,9 @@ def _prefixes(snapshot: dict[str, Any]) -> str:
     return " or ".join(printable(p) for p in snapshot["prefixes"])
 
 
-def _iso_time(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch).astimezone().isoformat(timespec="seconds")
+def _local(iso: str) -> datetime:
+    """A snapshot's ISO 8601 UTC time in this host's time zone, for people."""
+    return datetime.fromisoformat(iso).astimezone()
 
 
 def _positive_seconds(text: str) -> float:
@@ -245,4 +247,6 @@ COMMAND = Subcommand(
     description=__doc__.splitlines()[0] if __doc__ else None,
     add_arguments=add_arguments,
     run=run,
+    epilog="exit status: 0 ok; 1 the process may not be read, it exited while watched, or "
+    "--check found something; 2 no such process, or a bad flag",
 )

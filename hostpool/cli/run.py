@@ -61,7 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "namespace, of any age (hostpool reap --yes --min-age 0 on its own tmpfs mounts); "
         "a failure is a warning and CMD runs anyway",
     )
-    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...")
+    p.add_argument(
+        "cmd",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD ...",
+        help="the command to run, after --, e.g. -- python -m sglang.launch_server ...",
+    )
 
 
 def instrumented_env(environ: dict[str, str], names: list[str]) -> dict[str, str]:
@@ -104,7 +109,7 @@ def check_hook(interpreter: str) -> None:
         raise RunError(
             f"{interpreter} has no hostpool hook ({HOOK_FILE} is not in its site-packages), "
             f"so nothing would be instrumented: install hostpool into it "
-            f"({interpreter} -m pip install hostpool) or run CMD with the Python that has it",
+            f"({interpreter} -m pip install {_source()}) or run CMD with the Python that has it",
             NOT_NOW,
         )
     if probe.returncode != 0:
@@ -135,6 +140,16 @@ def reap_orphans() -> None:
             f"{printable(first.obj.path or first.obj.name)}: {first.detail}); running CMD anyway",
             file=sys.stderr,
         )
+
+
+def _source() -> str:
+    """What to pip-install hostpool from: this checkout when this hostpool runs from one
+    (`make run` installs it editable), else the distribution this one came from."""
+    here = os.path.abspath(__file__)  # CHECKOUT/hostpool/cli/run.py
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(here)))
+    if os.path.isfile(os.path.join(checkout, "pyproject.toml")):
+        return f"-e {checkout}"
+    return "/path/to/hostpool (its checkout or wheel)"
 
 
 def _names(only: str | None) -> list[str]:
@@ -183,4 +198,7 @@ COMMAND = Subcommand(
     add_arguments=add_arguments,
     run=run,
     raw_description=True,
+    epilog="exit status: CMD's own once it runs; before that 2 (no CMD, an unknown --only "
+    "name, CMD not found or not executable) or 1 (its interpreter lacks the hook, any other "
+    "failure)",
 )

@@ -59,7 +59,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         + ", ".join(serve_config.BUILTIN_ALLOCATORS)
         + " (default shm: memfd-backed, shareable)",
     )
-    p.add_argument("--hugepages", default=None, choices=("off", "prefer", "required"))
+    p.add_argument(
+        "--hugepages",
+        default=None,
+        choices=("off", "prefer", "required"),
+        help="for every pool: prefer (hugetlb pages if free, else THP or 4 KiB pages), off, "
+        "or required (refused, exit 1, unless enough hugepages are reserved and free); "
+        "default: each pool's own setting, else prefer",
+    )
     p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="listen port (default 9464; 0 picks one)")
     p.add_argument("--budget", default=None, help="bytes the pools may hold, e.g. 8GiB")
@@ -136,11 +143,24 @@ def build_config(args: argparse.Namespace) -> serve_config.ServeConfig:
                 table["hugepages"] = args.hugepages
     server = data["server"]
     # Every [server] key has a flag of the same name (--demo-load a store_true one).
+    flags: dict[str, str] = {}  # config key -> the flag that set it, for error messages
     for key in serve_config.SERVER_KEYS:
         value = getattr(args, key)
         if value is not None and value is not False:
             server[key] = value
-    return serve_config.from_mapping(data, os.path.dirname(args.config or ""))
+            flags[f"server.{key}"] = "--" + key.replace("_", "-")
+    for name in data.get("pools", {}) if isinstance(data.get("pools"), dict) else ():
+        if args.pool:
+            flags[f"pools.{name}.size"] = f"--pool {name}=SIZE"
+            flags[f"pools.{name}"] = f"--pool {name}"
+        if args.allocator:
+            flags[f"pools.{name}.allocator"] = "--allocator"
+        if args.hugepages:
+            flags[f"pools.{name}.hugepages"] = "--hugepages"
+    try:
+        return serve_config.from_mapping(data, os.path.dirname(args.config or ""))
+    except ConfigError as exc:
+        raise ConfigError(serve_config.attributed(str(exc), flags, args.config)) from None
 
 
 class _Stop:

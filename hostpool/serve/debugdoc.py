@@ -9,13 +9,13 @@ them (`Region.scrape`: one fstat of st_blocks per fd-backed region, mincore othe
 
 from __future__ import annotations
 
-import datetime
 import fcntl
 import os
 import time
 from collections.abc import Iterable
 from typing import Any
 
+from hostpool.base.units import iso_utc
 from hostpool.core.manager import PoolManager
 from hostpool.core.records import AllocationRecord
 
@@ -42,13 +42,6 @@ def seal_names(seals: int) -> list[str]:
     known = sum(bit for bit, _ in SEAL_NAMES)
     names += [hex(1 << i) for i in range(seals.bit_length()) if (seals & ~known) >> i & 1]
     return names
-
-
-def iso_utc(epoch: float) -> str:
-    """`epoch` (seconds since 1970, as time.time()) as ISO-8601 UTC with milliseconds,
-    e.g. `2026-01-31T12:00:00.123Z`."""
-    moment = datetime.datetime.fromtimestamp(epoch, tz=datetime.UTC)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def region_document(record: AllocationRecord, resident_bytes: int) -> dict[str, Any]:
