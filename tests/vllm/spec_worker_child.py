@@ -234,11 +234,46 @@ def refusals() -> dict[str, Any]:
     return out
 
 
+def squatted_metrics_dir() -> dict[str, Any]:
+    """The metrics directory belongs to another uid (made first by someone else): the
+    route is off with a warning on each side; get_worker, the copies and vLLM's own
+    registry's exposition go on."""
+    import tempfile
+
+    from prometheus_client import generate_latest
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    from hostpool.integrations.vllm import HostpoolOffloadingSpec
+
+    squatted = tempfile.mkdtemp(prefix="hostpool-squatted-metrics-")
+    try:
+        os.chown(squatted, 65534, 65534)
+        extra = {"hostpool_pool": "squat", "hostpool_metrics_dir": squatted}
+        HostpoolOffloadingSpec.build_metric_definitions(extra)  # the API server's side
+        spec = OffloadingSpecFactory.create_spec(offloading_config(extra, 2))
+        kv = kv_caches()
+        worker = spec.get_worker(kv)  # the worker's side
+        gpu = GPULoadStoreSpec([1, 2], group_sizes=[2], block_indices=[0])
+        stored = worker.submit_store(1, gpu, CPULoadStoreSpec([0]))
+        exposition = generate_latest(get_prometheus_registry()).decode()
+        worker.shutdown()
+        return {
+            "worker": type(worker).__name__,
+            "stored": stored,
+            "exposition_lines": len(exposition.splitlines()),
+            "hostpool_series": [x for x in exposition.splitlines() if x.startswith("hostpool_")],
+            "written": os.listdir(squatted),
+        }
+    finally:
+        os.rmdir(squatted)
+
+
 if __name__ == "__main__":
     scenario = {
         "copy_round_trip": copy_round_trip,
         "vllm_worker_seam": vllm_worker_seam,
         "refusals": refusals,
+        "squatted_metrics_dir": squatted_metrics_dir,
     }[sys.argv[1]]
     result = scenario()
     print("RESULT " + json.dumps(result, default=str), flush=True)

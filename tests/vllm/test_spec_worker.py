@@ -74,3 +74,14 @@ def test_bad_options_are_typed_errors_and_leave_nothing() -> None:
     assert r["over_budget"][:2] == ["AllocationError", "budget"]
     assert r["fds_same"] and r["mappings"] == 0 and r["memfds"] == 0
     assert r["ledger"] == []
+
+
+def test_a_squatted_metrics_directory_leaves_vllm_running() -> None:
+    """Issue 36, point 2: another uid's metrics directory turns hostpool's series off with
+    one warning per side (API server, worker); get_worker and vLLM's /metrics go on."""
+    r = run("squatted_metrics_dir")
+    assert r["worker"] == "HostCopyWorker" and r["stored"]
+    assert r["exposition_lines"] > 0 and r["hostpool_series"] == []
+    assert r["written"] == []
+    assert r["stderr"].count("hostpool.vllm_metrics_disabled") == 2, r["stderr"][-3000:]
+    assert "uid 65534" in r["stderr"]
