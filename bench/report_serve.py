@@ -1,6 +1,6 @@
 """Markdown renderers for the `hostpool serve` benchmarks: probes while it populates
-(serve_probe), SIGTERM to exit (serve_stop), and what TLS and basic auth cost a scrape
-(tls_scrape).
+(serve_probe), SIGTERM to exit (serve_stop), what TLS and basic auth cost a scrape
+(tls_scrape), and probes during a flood of wrong passwords (auth_flood).
 
 `SERVE` maps a README region to its renderer; `SOURCES` names the results file of a
 region that is not its own name (the short summaries in the README's CLI section read
@@ -200,10 +200,73 @@ def tls_scrape(data: dict[str, Any], _ctx: Any) -> str:
     return "\n".join(lines)
 
 
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} x {v:,}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def auth_flood(data: dict[str, Any], _ctx: Any) -> str:
+    """bench/auth_flood.py: /healthz and /metrics with the right password during a flood
+    of wrong ones, on serve and on the exporter."""
+    cpus = data.get("machine", {}).get("cpus", "?")
+    target = data["p99_target_s"]
+    lines = [
+        f"Wrong basic-auth passwords, {data['rate_per_s']:g} a second for "
+        f"{data['flood_s']:g} s, each new and on a new connection, from {data['sources']} "
+        "loopback addresses in turn (so neither remembered failures nor one address's "
+        "wait can answer them), against `hostpool serve` and `hostpool exporter` (plain "
+        f"HTTP, one user, bcrypt cost {data['bcrypt_cost']}: a round took "
+        f"{_ms(data['bcrypt_round_s'])} here). Probes with the right password, each on a "
+        f"new connection, {data['quiet_s']:g} s before the flood and during it; "
+        f"{machine_line(data, sglang=False)}. The rest of the machine used "
+        f"{data['other_cpus']:.2f} of {cpus} CPUs meanwhile.",
+        "",
+        "| target | probe | answered | p50 quiet | p99 quiet | p50 flood | p99 flood | max flood |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    worst = 0.0
+    answered = True
+    for name, result in data["targets"].items():
+        quiet, flood = result["quiet"], result["flood"]
+        for path in ("/healthz", "/metrics"):
+            q, f = quiet[path], flood[path]
+            worst = max(worst, f["p99_s"])
+            answered = answered and f["ok"] == f["probes"]
+            lines.append(
+                f"| {name} | {path} | {f['ok']:,} of {f['probes']:,} | {_ms(q['p50_s'])} "
+                f"| {_ms(q['p99_s'])} | {_ms(f['p50_s'])} | {_ms(f['p99_s'])} "
+                f"| {_ms(f['max_s'])} |"
+            )
+    lines += [
+        "",
+        "| target | its CPU quiet | its CPU flood | the flood's answers | refusals it logged |",
+        "| --- | ---: | ---: | --- | --- |",
+    ]
+    for name, result in data["targets"].items():
+        flood = result["flood"]
+        lines.append(
+            f"| {name} | {result['quiet']['server_cpus']:.2f} | {flood['server_cpus']:.2f} "
+            f"| {_counts(flood['flood_answers'])} | {_counts(flood['failed_logins_logged'])} |"
+        )
+    met = worst <= target and answered
+    lines += [
+        "",
+        "| target | measured | result |",
+        "| --- | --- | --- |",
+        f"| /healthz and /metrics answered 200 during the flood, p99 <= {target:g} s "
+        f"| worst p99 {_ms(worst)}, {'all' if answered else '**not all**'} answered "
+        f"| {VERDICT[met]} |",
+        "",
+        "CPU: seconds of CPU the target used per second. Samples' figures and machine facts "
+        "are in `bench/results/auth_flood.json`.",
+    ]
+    return "\n".join(lines)
+
+
 SERVE = {
     "serve_probe": serve_probe,
     "serve_stop": serve_stop,
     "tls_scrape": tls_scrape,
+    "auth_flood": auth_flood,
     "serve_probe-summary": serve_probe_summary,
     "serve_stop-summary": serve_stop_summary,
 }
