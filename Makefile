@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 
-.PHONY: run test test-fast lint bench soak dashboards prometheus sglang-libs vllm-venv clean
+.PHONY: run test test-fast lint bench soak dashboards prometheus kubectl sglang-libs vllm-venv clean
 
 SERVE_STAMP := $(VENV)/.serve-stamp
 
@@ -63,13 +63,20 @@ prometheus:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
+# kubectl, whose kustomize (v5: kubectl 1.27 or later) renders deploy/kubernetes for
+# tests/test_kubernetes*.py: the apt package `kubectl`, else Debian's kubernetes-client.
+kubectl:
+	@command -v kubectl >/dev/null || { apt-get update -qq && { \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends kubectl >/dev/null || \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends kubernetes-client >/dev/null; }; }
+
 # A venv already installed whole serves as it is; a fresh one gets only the serve install.
 run: $(if $(wildcard $(STAMP)),$(STAMP),$(SERVE_STAMP))
 	exec $(VENV)/bin/hostpool serve $(SERVE_ARGS)
 
 # HOSTPOOL_LEFTOVER_CHECK=1: the run fails if it left anything in /tmp, /dev/shm or
 # nr_hugepages (tests/conftest.py; other runs only report it).
-test: $(STAMP) $(VLLM_STAMP) prometheus sglang-libs
+test: $(STAMP) $(VLLM_STAMP) prometheus kubectl sglang-libs
 	HOSTPOOL_LEFTOVER_CHECK=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP) sglang-libs
@@ -95,6 +102,7 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) bench/overhead.py
 	$(PY) bench/scrape.py
 	$(PY) bench/exporter_scale.py
+	$(PY) bench/exporter_pod.py
 	-$(PY) bench/serve_probe.py
 	$(PY) bench/serve_stop.py
 	$(PY) bench/tls_scrape.py

@@ -1,0 +1,177 @@
+"""A node as the exporter DaemonSet sees it, simulated: the driver tests/test_kubernetes_view.py
+runs inside fresh PID, mount and IPC namespaces (`unshare --pid --fork --mount --ipc
+--mount-proc`), so /proc shows only the processes planted here and the test owns every
+object it compares, on a busy host.
+
+    python tests/kubeview.py node TOKEN   (inside the namespaces; prints one JSON document)
+
+`node` mounts a private tmpfs on /dev/shm (the node's), leaves an orphan there, and starts
+two "pods": each in its own mount namespace with its own tmpfs /dev/shm (a Memory
+emptyDir), an orphan file in it (a crashed engine's), and an engine-like process of uid
+65534 holding a file by a mapping only, one by an fd only, a memfd and a shared anonymous
+mapping, kept alive while it sleeps. Then it reads the view each way asked on stdin (one
+JSON list of [label, argv] per line: a `hostpool ...` command and the exporter's scrape)
+and prints what each saw of the planted objects.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+HOLDER_UID = 65534
+FILE_BYTES = 1 << 20
+# the engines of the planted names: nothing else in these namespaces has them
+PLANTED_ENGINES = ("kvcached", "lmcache", "python", "vllm")
+
+
+def _write(path: str, mode: int) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, mode)
+    try:
+        os.write(fd, b"\1" * FILE_BYTES)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _mount_tmpfs(path: str) -> None:
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", path], check=True)
+
+
+def pod(token: str, index: str) -> None:
+    """In its own mount namespace: a tmpfs /dev/shm, an orphan, then the holder."""
+    _mount_tmpfs("/dev/shm")
+    _write(f"/dev/shm/vllm_offload_{token}_{index}.mmap", 0o600)  # the crashed run's
+    for name in (f"kvcached_{token}_{index}", f"psm_{token}_{index}"):
+        _write(f"/dev/shm/{name}", 0o666)
+    os.execvp(
+        "setpriv",
+        ["setpriv", f"--reuid={HOLDER_UID}", f"--regid={HOLDER_UID}", "--clear-groups",
+         "--inh-caps=-all", "--bounding-set=-all",
+         sys.executable, __file__, "holder", token, index],
+    )  # fmt: skip
+
+
+def holder(token: str, index: str) -> None:
+    """An engine of another uid: a mapping-only file, an fd-only file, a memfd, anon shared."""
+    fd = os.open(f"/dev/shm/kvcached_{token}_{index}", os.O_RDWR)
+    mapped = mmap.mmap(fd, FILE_BYTES)
+    os.close(fd)
+    kept = os.open(f"/dev/shm/psm_{token}_{index}", os.O_RDWR)
+    memfd = os.memfd_create(f"lmcache_{token}_{index}")
+    os.ftruncate(memfd, FILE_BYTES)
+    os.pwrite(memfd, b"\1" * FILE_BYTES, 0)
+    anon = mmap.mmap(-1, FILE_BYTES, flags=mmap.MAP_SHARED)
+    anon.write(b"\1" * FILE_BYTES)
+    mapped[0] = 1
+    print("ready", flush=True)
+    signal.pause()
+    del kept, memfd, anon, mapped
+
+
+def _planted(objects: list[dict[str, Any]], token: str, pids: set[int]) -> list[list[Any]]:
+    """What a view says of the planted objects: comparable, sorted."""
+    out = []
+    for o in objects:
+        ours = o["kind"] == "anon_shared" and {h["pid"] for h in o["holders"]} <= pids
+        if token in (o["name"] or "") or ours:
+            holders = sorted((h["pid"], h["fds"], h["mappings"]) for h in o["holders"])
+            out.append([o["kind"], o["name"], o["engine"], o["size_bytes"], o["orphan"], holders])
+    return sorted(out, key=repr)
+
+
+def _aggregate(objects: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """'engine/kind/state' -> [objects, resident bytes], the planted engines only: what
+    the exporter's hostpool_host_shm_objects and _bytes say."""
+    out: dict[str, list[int]] = {}
+    for o in objects:
+        if o["engine"] in PLANTED_ENGINES:
+            key = f"{o['engine']}/{o['kind']}/{'orphaned' if o['orphan'] else 'held'}"
+            count, size = out.get(key, [0, 0])
+            out[key] = [count + 1, size + o["resident_bytes"]]
+    return out
+
+
+def _scrape(argv: list[str]) -> dict[str, list[int]]:
+    """Start the exporter as given (on a free port of 127.0.0.1), scrape it once."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = list(argv)
+    argv[argv.index("--port") + 1] = str(port)
+    argv[argv.index("--host") + 1] = "127.0.0.1"
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+                    text = r.read().decode()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    raise RuntimeError(proc.communicate()[1][-2000:]) from None
+                time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    out: dict[str, list[int]] = {}
+    for family in text_string_to_metric_families(text):
+        at = {"hostpool_host_shm_objects": 0, "hostpool_host_shm_bytes": 1}.get(family.name)
+        for sample in family.samples if at is not None else []:
+            labels = sample.labels
+            if labels["engine"] in PLANTED_ENGINES and sample.value:
+                key = f"{labels['engine']}/{labels['kind']}/{labels['state']}"
+                out.setdefault(key, [0, 0])[at] = int(sample.value)
+    return out
+
+
+def node(token: str) -> None:
+    _mount_tmpfs("/dev/shm")
+    _write(f"/dev/shm/psm_{token}_node", 0o600)  # the node's own orphan
+    pods = []
+    for index in ("0", "1"):
+        p = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private",
+             sys.executable, __file__, "pod", token, index],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert p.stdout is not None
+        if p.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"pod {index} did not start")
+        pods.append(p)
+    results: dict[str, Any] = {"pids": [p.pid for p in pods]}
+    for line in sys.stdin:
+        label, kind, argv = json.loads(line)
+        if kind == "scrape":
+            results[label] = _scrape(argv)
+        else:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                results[label] = {"error": proc.stderr[-2000:]}
+                continue
+            objects = json.loads(proc.stdout)["objects"]
+            results[label] = {
+                "planted": _planted(objects, token, {p.pid for p in pods}),
+                "aggregate": _aggregate(objects),
+            }
+    print(json.dumps(results), flush=True)
+    for p in pods:
+        p.kill()
+        p.wait()
+
+
+if __name__ == "__main__":
+    mode, *rest = sys.argv[1:]
+    {"node": node, "pod": pod, "holder": holder}[mode](*rest)

@@ -1,0 +1,414 @@
+"""deploy/kubernetes/, validated offline (issue [fleet]): what `kubectl kustomize` renders
+passes `kubernetes-validate --strict` for Kubernetes 1.32 (built-in kinds, a warning is a
+failure) and prometheus-operator's own CRD schemas (its kinds: no unknown field, no
+missing required one); the PrometheusRule is metrics/*.yml's groups (promtool and the
+rule unit tests run on it); every hostpool flag and path the manifests pass exists.
+
+`make test` installs kubectl (`make kubectl`) and promtool (`make prometheus`); the tests
+that need them skip only where they are missing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from hostpool.cli import build_parser
+from tools import kubernetes_rules
+
+ROOT = Path(__file__).resolve().parents[1]
+KUBE = ROOT / "deploy" / "kubernetes"
+EXAMPLES = sorted(p for p in (KUBE / "examples").iterdir() if p.is_dir())
+CRDS = ROOT / "tests" / "data" / "prometheus-operator"
+KUBERNETES_VERSION = "1.32.0"
+# What the exporter needs to read other processes' /proc (measured: docs/kubernetes.md)
+CAPABILITIES = ["SYS_PTRACE", "DAC_READ_SEARCH"]
+
+needs_kubectl = pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl not installed: `make kubectl` installs it"
+)
+needs_promtool = pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool not installed: `make prometheus`"
+)
+
+
+def render(path: Path) -> list[dict[str, Any]]:
+    """`kubectl kustomize PATH`'s objects."""
+    proc = subprocess.run(
+        ["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr  # a deprecation is a warning: none
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def is_operator_kind(obj: dict[str, Any]) -> bool:
+    return str(obj["apiVersion"]).startswith("monitoring.coreos.com/")
+
+
+@pytest.fixture(scope="module")
+def fleet() -> list[dict[str, Any]]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl not installed: `make kubectl` installs it")
+    return render(KUBE)
+
+
+@pytest.fixture(scope="module")
+def examples() -> dict[str, list[dict[str, Any]]]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl not installed: `make kubectl` installs it")
+    return {path.name: render(path) for path in EXAMPLES}
+
+
+# ---------------------------------------------------------------- built-in kinds
+
+
+def kubernetes_validate(objects: list[dict[str, Any]], tmp_path: Path) -> str:
+    """kubernetes-validate --strict's output; asserts it passed with no warning."""
+    path = tmp_path / "objects.yaml"
+    path.write_text(yaml.safe_dump_all(objects))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", KUBERNETES_VERSION,
+         str(path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert not re.search(r"^(WARN|ERROR)", out, re.M), out
+    return out
+
+
+def test_builtin_kinds_pass_kubernetes_validate_strict(
+    fleet: list[dict[str, Any]], examples: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    objects = [o for o in fleet if not is_operator_kind(o)]
+    objects += [o for rendered in examples.values() for o in rendered]
+    out = kubernetes_validate(objects, tmp_path)
+    assert out.count(" passed for resource ") == len(objects)
+    assert {o["kind"] for o in objects} >= {"Namespace", "DaemonSet", "ConfigMap", "Deployment"}
+
+
+def test_kubernetes_validate_refuses_an_unknown_field(
+    fleet: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    (daemonset,) = by_kind(fleet, "DaemonSet")
+    bad = json.loads(json.dumps(daemonset))
+    bad["spec"]["template"]["spec"]["containers"][0]["securityContext"]["privilegd"] = False
+    with pytest.raises(AssertionError, match="privilegd"):
+        kubernetes_validate([bad], tmp_path)
+
+
+# ---------------------------------------------------------------- prometheus-operator kinds
+
+
+def strict(schema: Any) -> Any:
+    """An openAPIV3Schema as JSON Schema that refuses unknown fields (as the API server's
+    structural pruning drops them) and takes `nullable`."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) for k, v in schema.items()}
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    if out.pop("nullable", False) and isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]
+    return out
+
+
+def crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
+    """(apiVersion, kind) -> the strict schema, from the vendored CRDs."""
+    out = {}
+    for path in sorted(CRDS.glob("monitoring.coreos.com_*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        for version in crd["spec"]["versions"]:
+            api = f"{crd['spec']['group']}/{version['name']}"
+            out[(api, crd["spec"]["names"]["kind"])] = strict(version["schema"]["openAPIV3Schema"])
+    return out
+
+
+def operator_errors(obj: dict[str, Any]) -> list[str]:
+    schema = crd_schemas()[(obj["apiVersion"], obj["kind"])]
+    validator = jsonschema.Draft7Validator(schema)
+    return [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(obj)]
+
+
+def test_operator_kinds_pass_their_crd_schemas(fleet: list[dict[str, Any]]) -> None:
+    objects = [o for o in fleet if is_operator_kind(o)]
+    assert sorted(o["kind"] for o in objects) == ["PodMonitor", "PodMonitor", "PrometheusRule"]
+    for obj in objects:
+        assert obj["metadata"]["name"] and obj["metadata"]["namespace"] == "hostpool"
+        assert operator_errors(obj) == [], obj["metadata"]["name"]
+
+
+def test_crd_validation_refuses_unknown_and_missing_fields(fleet: list[dict[str, Any]]) -> None:
+    (monitor, *_) = by_kind(fleet, "PodMonitor")
+    bad = json.loads(json.dumps(monitor))
+    bad["spec"]["podMetricsEndpoints"][0]["scrapeTimout"] = "10s"
+    assert any("scrapeTimout" in e for e in operator_errors(bad))
+    (rule,) = by_kind(fleet, "PrometheusRule")
+    bad = json.loads(json.dumps(rule))
+    del bad["spec"]["groups"][0]["name"]  # required by the CRD
+    assert any("'name' is a required property" in e for e in operator_errors(bad))
+
+
+# ---------------------------------------------------------------- the PrometheusRule
+
+
+def test_prometheusrule_is_the_rule_files_groups() -> None:
+    """One source: the generated file is what tools/kubernetes_rules.py writes now."""
+    proc = subprocess.run(
+        [sys.executable, "tools/kubernetes_rules.py", "--check"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rule = yaml.safe_load((KUBE / "prometheusrule.yaml").read_text())
+    assert rule["spec"]["groups"] == kubernetes_rules.groups()
+    names = [g["name"] for g in rule["spec"]["groups"]]
+    assert names == ["hostpool.alerts", "hostpool.recording"]
+
+
+def test_drift_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    alerts = tmp_path / "alerts.yml"
+    alerts.write_text(kubernetes_rules.SOURCES[0].read_text().replace("for: 5m", "for: 6m", 1))
+    monkeypatch.setattr(kubernetes_rules, "SOURCES", (alerts, kubernetes_rules.SOURCES[1]))
+    assert kubernetes_rules.main(["--check"]) == 1
+
+
+@needs_promtool
+def test_prometheusrule_groups_pass_promtool_and_the_rule_unit_tests(tmp_path: Path) -> None:
+    rule = yaml.safe_load((KUBE / "prometheusrule.yaml").read_text())
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    check = subprocess.run(
+        ["promtool", "check", "rules", "rules.yml"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    (tmp_path / "tests").mkdir()
+    tests = []
+    for path in sorted((ROOT / "metrics" / "tests").glob("*.yml")):
+        unit = yaml.safe_load(path.read_text())
+        unit["rule_files"] = ["../rules.yml"]
+        (tmp_path / "tests" / path.name).write_text(yaml.safe_dump(unit))
+        tests.append(f"tests/{path.name}")
+    assert tests
+    run = subprocess.run(
+        ["promtool", "test", "rules", *tests],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+# ---------------------------------------------------------------- the dashboards
+
+
+def test_dashboards_configmap_holds_every_dashboard_as_it_is(fleet: list[dict[str, Any]]) -> None:
+    kustomization = yaml.safe_load((ROOT / "dashboards" / "kustomization.yaml").read_text())
+    (generator,) = kustomization["configMapGenerator"]
+    files = sorted(p.name for p in (ROOT / "dashboards").glob("*.json"))
+    assert sorted(generator["files"]) == files
+    (configmap,) = by_kind(fleet, "ConfigMap")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert sorted(configmap["data"]) == files
+    for name in files:
+        assert configmap["data"][name] == (ROOT / "dashboards" / name).read_text()
+
+
+# ---------------------------------------------------------------- the exporter DaemonSet
+
+
+def test_exporter_daemonset_reads_the_host_with_the_fewest_capabilities(
+    fleet: list[dict[str, Any]],
+) -> None:
+    (daemonset,) = by_kind(fleet, "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["hostPID"] is True
+    security = container["securityContext"]
+    assert security["privileged"] is False and security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"] == {"drop": ["ALL"], "add": CAPABILITIES}
+    args = container["args"]
+    assert args[:2] == ["exporter", "--node"]
+    (port,) = container["ports"]
+    assert port["name"] == "metrics"
+    assert args[args.index("--port") + 1] == str(port["containerPort"])
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    resources = container["resources"]
+    assert set(resources["requests"]) == set(resources["limits"]) == {"cpu", "memory"}
+    tolerated = {t["key"] for t in pod["tolerations"] if t.get("effect") == "NoSchedule"}
+    assert "nvidia.com/gpu" in tolerated
+
+
+def test_images_are_set_through_kustomize(
+    fleet: list[dict[str, Any]], examples: dict[str, list[dict[str, Any]]]
+) -> None:
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    kustomization = yaml.safe_load((KUBE / "kustomization.yaml").read_text())
+    (image,) = kustomization["images"]
+    assert image["name"] == "hostpool" and image["newTag"] == version
+    (daemonset,) = by_kind(fleet, "DaemonSet")
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == f"{image['newName']}:{version}"
+    for rendered in examples.values():
+        for pod in pod_specs(rendered):
+            for c in pod.get("initContainers", []) + pod["containers"]:
+                assert c["image"].endswith(f"hostpool:{version}"), c["image"]
+
+
+def test_containerfile_builds_from_the_wheel_and_runs_hostpool() -> None:
+    text = (ROOT / "Containerfile").read_text()
+    assert re.search(r"^ARG BASE=", text, re.M)
+    assert re.search(r"pip install .*\.whl", text)
+    assert re.search(r'^ENTRYPOINT \["hostpool"\]', text, re.M)
+    readme = (ROOT / "README.md").read_text()
+    assert "Containerfile" in readme and "not built in CI" in readme
+
+
+# ---------------------------------------------------------------- hostpool's flags and paths
+
+
+def pod_specs(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        o["spec"]["template"]["spec"] for o in objects if o["kind"] in ("Deployment", "DaemonSet")
+    ]
+
+
+def hostpool_argv(container: dict[str, Any]) -> list[str] | None:
+    """The hostpool arguments a container runs (the image's entrypoint is hostpool)."""
+    command = container.get("command")
+    if command:
+        return (
+            list(command[1:]) + list(container.get("args", []))
+            if command[0] == "hostpool"
+            else None
+        )
+    return list(container.get("args", []))
+
+
+def test_every_hostpool_flag_and_path_exists(
+    fleet: list[dict[str, Any]], examples: dict[str, list[dict[str, Any]]]
+) -> None:
+    parser = build_parser()
+    seen = set()
+    for objects in [fleet, *examples.values()]:
+        for pod in pod_specs(objects):
+            for container in pod.get("initContainers", []) + pod["containers"]:
+                argv = hostpool_argv(container)
+                if argv is None:
+                    continue
+                args = parser.parse_args(argv)  # SystemExit on an unknown flag or value
+                seen.add(args.command)
+                mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+                for path in getattr(args, "dir", None) or []:
+                    assert path in mounts, (container["name"], path)
+    assert seen == {"exporter", "reap", "run"}
+    for sub in sorted(seen):
+        proc = subprocess.run(
+            [sys.executable, "-m", "hostpool", sub, "--help"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+
+
+# ---------------------------------------------------------------- the engine examples
+
+
+def doctor_patch(argv: list[str], *, engine_memory: str, shm_extra: str) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "hostpool", "doctor", "--kubernetes", "--json",
+         "--engine-memory", engine_memory, "--shm-extra", shm_extra, "--container", "vllm",
+         "--", *argv],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode in (0, 1), proc.stderr  # 1: this host is short, not the input
+    patch: dict[str, Any] = json.loads(proc.stdout)["patch"]
+    return patch
+
+
+def test_vllm_examples_start_clean_and_hold_what_doctor_sizes(
+    examples: dict[str, list[dict[str, Any]]],
+) -> None:
+    assert set(examples) == {"vllm", "vllm-hugepages"}
+    for name, objects in examples.items():
+        (pod,) = pod_specs(objects)
+        (init,) = pod["initContainers"]
+        assert init["command"][:3] == ["hostpool", "reap", "--yes"]
+        (engine,) = pod["containers"]
+        command = engine["command"]
+        assert command[:4] == ["hostpool", "run", "--reap", "--"] and command[4] == "vllm"
+        assert {"name": "HOSTPOOL_INSTRUMENT", "value": "vllm"} in engine["env"]
+        (volume,) = pod["volumes"]
+        assert volume["emptyDir"]["medium"] == "Memory"
+        assert {"name": volume["name"], "mountPath": "/dev/shm"} in engine["volumeMounts"]
+        resources = engine["resources"]
+        assert resources["requests"] == resources["limits"]
+        header = (KUBE / "examples" / name / "kustomization.yaml").read_text()
+        header += (
+            (KUBE / "examples" / name / "deployment.yaml").read_text()
+            if (KUBE / "examples" / name / "deployment.yaml").exists()
+            else ""
+        )
+        memory, extra = re.search(
+            r"--engine-memory (\S+) --shm-extra (\S+) --container vllm", header
+        ).groups()  # type: ignore[union-attr]
+        patch = doctor_patch(command[4:], engine_memory=memory, shm_extra=extra)
+        (want,) = patch["spec"]["template"]["spec"]["containers"]
+        for key, value in want["resources"]["limits"].items():
+            assert resources["limits"][key] == value, (name, key)
+        (want_volume,) = patch["spec"]["template"]["spec"]["volumes"]
+        assert volume["emptyDir"] == want_volume["emptyDir"], name
+    # the hugepages example asks for the pages its pool requires, outside memory
+    (pod,) = pod_specs(examples["vllm-hugepages"])
+    limits = pod["containers"][0]["resources"]["limits"]
+    assert limits["hugepages-2Mi"] == "64Gi" and limits["memory"] == "52Gi"
+
+
+def _quantity(text: str) -> float:
+    """A Kubernetes quantity as a number (bytes, CPUs)."""
+    units = {"m": 1e-3, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * scale
+    return float(text)
+
+
+def test_exporter_resources_cover_the_bench(fleet: list[dict[str, Any]]) -> None:
+    """bench/exporter_pod.py measured the exporter at the host-view bench's scale."""
+    bench = json.loads((ROOT / "bench" / "results" / "exporter_pod.json").read_text())
+    assert bench["scale"] == {
+        "processes": 200, "fds": 500, "files": 5000, "sysv": 500, "namespaces": 20
+    }  # fmt: skip
+    (daemonset,) = by_kind(fleet, "DaemonSet")
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    requests = {k: _quantity(v) for k, v in container["resources"]["requests"].items()}
+    limits = {k: _quantity(v) for k, v in container["resources"]["limits"].items()}
+    assert requests["memory"] >= bench["peak_rss_bytes"]
+    assert limits["memory"] >= 2 * bench["peak_rss_bytes"]
+    (monitor,) = [m for m in by_kind(fleet, "PodMonitor") if m["metadata"]["name"].endswith(
+        "exporter")]  # fmt: skip
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    interval = _quantity(endpoint["interval"].removesuffix("s"))
+    assert requests["cpu"] >= bench["cpu_s_max"] / interval
+    # at the limit, the heaviest scrape takes under half the exporter's budget (5 s)
+    assert limits["cpu"] * 5 >= 2 * bench["cpu_s_max"]

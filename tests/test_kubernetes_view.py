@@ -1,0 +1,98 @@
+"""The exporter DaemonSet's view, simulated (issue [fleet] item 4): the exporter run as
+the rendered DaemonSet runs it (its arguments; its capabilities with every other one
+dropped from the bounding set; its uid; a read-only root) sees the same objects of
+engine-like processes of another uid, each in its own mount namespace with its own tmpfs
+/dev/shm, as `hostpool shm --json` run as full root; with either capability dropped it
+does not (so the list is the fewest). The node is fresh PID, mount and IPC namespaces
+(tests/kubeview.py): /proc shows only what the test planted. Root only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_kubernetes import KUBE, by_kind, render
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = ROOT / "tests" / "kubeview.py"
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="namespaces and uid switching need root"),
+    pytest.mark.skipif(
+        not all(shutil.which(t) for t in ("unshare", "setpriv", "kubectl")),
+        reason="needs unshare, setpriv (util-linux) and kubectl",
+    ),
+]
+
+
+def as_the_daemonset(container: dict[str, Any], pod: dict[str, Any], caps: list[str]) -> list[str]:
+    """argv running the container's hostpool command as the kubelet would: `caps` the
+    only capabilities (bounding, permitted, effective; no ambient set, as Kubernetes
+    gives none), the pod's uid, a read-only root where the container asks for one."""
+    security = container["securityContext"]
+    assert security["capabilities"]["drop"] == ["ALL"]
+    uid = pod["securityContext"]["runAsUser"]
+    keep = "-all" + "".join(f",+{c.lower()}" for c in caps)
+    argv = ["setpriv", f"--reuid={uid}", f"--regid={pod['securityContext']['runAsGroup']}",
+            "--clear-groups", f"--inh-caps={keep}", f"--bounding-set={keep}", "--",
+            sys.executable, "-m", "hostpool", *container["args"]]  # fmt: skip
+    if security["readOnlyRootFilesystem"]:
+        ro = 'mount -o bind,remount,ro / && exec "$@"'
+        argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", ro, "sh", *argv]
+    return argv
+
+
+def test_the_daemonset_sees_what_root_sees_and_needs_both_capabilities() -> None:
+    (daemonset,) = by_kind(render(KUBE), "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    caps = container["securityContext"]["capabilities"]["add"]
+    assert pod["hostPID"] and sorted(caps) == ["DAC_READ_SEARCH", "SYS_PTRACE"]
+    views = [["root", "cmd", [sys.executable, "-m", "hostpool", "shm", "--json"]]]
+    views.append(["daemonset", "scrape", as_the_daemonset(container, pod, caps)])
+    for dropped in caps:
+        fewer = [c for c in caps if c != dropped]
+        views.append([f"without {dropped}", "scrape", as_the_daemonset(container, pod, fewer)])
+    token = secrets.token_hex(6)
+    proc = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount", "--ipc", "--mount-proc",
+         "--propagation", "private", sys.executable, str(DRIVER), "node", token],
+        input="".join(json.dumps(v) + "\n" for v in views),
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout)
+    root = seen["root"]
+    assert "error" not in root, root
+    # root sees what was planted: per pod a held file by mapping, one by fd, a memfd, a
+    # shared anonymous mapping (held by the pod's engine), the crashed run's orphan in
+    # the pod's own /dev/shm, and the node's orphan
+    planted = {(kind, engine, orphan) for kind, _, engine, _, orphan, _ in root["planted"]}
+    assert planted == {
+        ("file", "kvcached", False), ("file", "python", False), ("memfd", "lmcache", False),
+        ("anon_shared", "unknown", False), ("file", "vllm", True), ("file", "python", True),
+    }  # fmt: skip
+    assert len(root["planted"]) == 11
+    holders = {h[0] for *_, hs in root["planted"] for h in hs}
+    assert holders == set(seen["pids"])
+    assert root["aggregate"] == {
+        "kvcached/file/held": [2, 2 << 20],
+        "lmcache/memfd/held": [2, 2 << 20],
+        "python/file/held": [2, 2 << 20],
+        "python/file/orphaned": [1, 1 << 20],
+        "vllm/file/orphaned": [2, 2 << 20],
+    }
+    # the DaemonSet's exporter, the same
+    assert seen["daemonset"] == root["aggregate"]
+    for dropped in caps:
+        assert seen[f"without {dropped}"] != root["aggregate"], dropped
