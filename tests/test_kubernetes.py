@@ -363,15 +363,11 @@ def test_vllm_examples_start_clean_and_hold_what_doctor_sizes(
         assert {"name": volume["name"], "mountPath": "/dev/shm"} in engine["volumeMounts"]
         resources = engine["resources"]
         assert resources["requests"] == resources["limits"]
-        header = (KUBE / "examples" / name / "kustomization.yaml").read_text()
-        header += (
-            (KUBE / "examples" / name / "deployment.yaml").read_text()
-            if (KUBE / "examples" / name / "deployment.yaml").exists()
-            else ""
-        )
-        memory, extra = re.search(
-            r"--engine-memory (\S+) --shm-extra (\S+) --container vllm", header
-        ).groups()  # type: ignore[union-attr]
+        # the doctor command each example says it was sized by, in its comments
+        said = "".join(f.read_text() for f in (KUBE / "examples" / name).glob("*.yaml"))
+        sized_by = re.search(r"--engine-memory (\S+) --shm-extra (\S+) --container vllm", said)
+        assert sized_by is not None, name
+        memory, extra = sized_by.groups()
         patch = doctor_patch(command[4:], engine_memory=memory, shm_extra=extra)
         (want,) = patch["spec"]["template"]["spec"]["containers"]
         for key, value in want["resources"]["limits"].items():

@@ -3,7 +3,8 @@ the rendered DaemonSet runs it (its arguments; its capabilities with every other
 dropped from the bounding set; its uid; a read-only root) sees the same objects of
 engine-like processes of another uid, each in its own mount namespace with its own tmpfs
 /dev/shm, as `hostpool shm --json` run as full root; with either capability dropped it
-does not (so the list is the fewest). The node is fresh PID, mount and IPC namespaces
+does not (so the list is the fewest); as a non-root uid, as Kubernetes would run it,
+neither (so the DaemonSet runs as uid 0). The node is fresh PID, mount and IPC namespaces
 (tests/kubeview.py): /proc shows only what the test planted. Root only.
 """
 
@@ -35,17 +36,27 @@ pytestmark = [
 ]
 
 
-def as_the_daemonset(container: dict[str, Any], pod: dict[str, Any], caps: list[str]) -> list[str]:
+def as_the_daemonset(
+    container: dict[str, Any],
+    pod: dict[str, Any],
+    caps: list[str],
+    *,
+    uid: int | None = None,
+    ambient: bool = False,
+) -> list[str]:
     """argv running the container's hostpool command as the kubelet would: `caps` the
-    only capabilities (bounding, permitted, effective; no ambient set, as Kubernetes
-    gives none), the pod's uid, a read-only root where the container asks for one."""
+    only capabilities (bounding set; Kubernetes sets no ambient set, so a non-root uid
+    ends with none effective), the pod's uid (or `uid`), a read-only root where the
+    container asks for one. `ambient` shows what a non-root uid would need."""
     security = container["securityContext"]
     assert security["capabilities"]["drop"] == ["ALL"]
-    uid = pod["securityContext"]["runAsUser"]
+    if uid is None:
+        uid = pod["securityContext"]["runAsUser"]
     keep = "-all" + "".join(f",+{c.lower()}" for c in caps)
-    argv = ["setpriv", f"--reuid={uid}", f"--regid={pod['securityContext']['runAsGroup']}",
-            "--clear-groups", f"--inh-caps={keep}", f"--bounding-set={keep}", "--",
-            sys.executable, "-m", "hostpool", *container["args"]]  # fmt: skip
+    argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+            f"--inh-caps={keep}", f"--bounding-set={keep}"]  # fmt: skip
+    argv += [f"--ambient-caps={keep}"] if ambient else []
+    argv += ["--", sys.executable, "-m", "hostpool", *container["args"]]
     if security["readOnlyRootFilesystem"]:
         ro = 'mount -o bind,remount,ro / && exec "$@"'
         argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", ro, "sh", *argv]
@@ -58,11 +69,17 @@ def test_the_daemonset_sees_what_root_sees_and_needs_both_capabilities() -> None
     (container,) = pod["containers"]
     caps = container["securityContext"]["capabilities"]["add"]
     assert pod["hostPID"] and sorted(caps) == ["DAC_READ_SEARCH", "SYS_PTRACE"]
+    assert pod["securityContext"]["runAsNonRoot"] is False
     views = [["root", "cmd", [sys.executable, "-m", "hostpool", "shm", "--json"]]]
     views.append(["daemonset", "scrape", as_the_daemonset(container, pod, caps)])
     for dropped in caps:
         fewer = [c for c in caps if c != dropped]
         views.append([f"without {dropped}", "scrape", as_the_daemonset(container, pod, fewer)])
+    # why not runAsNonRoot: the same capabilities reach a non-root uid only as ambient ones
+    other = 65533
+    views.append(["non-root", "scrape", as_the_daemonset(container, pod, caps, uid=other)])
+    views.append(["ambient", "scrape", as_the_daemonset(container, pod, caps, uid=other,
+                                                        ambient=True)])  # fmt: skip
     token = secrets.token_hex(6)
     proc = subprocess.run(
         ["unshare", "--pid", "--fork", "--mount", "--ipc", "--mount-proc",
@@ -96,3 +113,5 @@ def test_the_daemonset_sees_what_root_sees_and_needs_both_capabilities() -> None
     assert seen["daemonset"] == root["aggregate"]
     for dropped in caps:
         assert seen[f"without {dropped}"] != root["aggregate"], dropped
+    assert seen["non-root"] != root["aggregate"]
+    assert seen["ambient"] == root["aggregate"]
