@@ -30,7 +30,7 @@ def test_a_region_over_a_tensor_takes_address_and_size_from_its_holder() -> None
     assert (region.pool, region.kind, region.backend) == ("facts", "torch", "torch")
     assert (region.requested_bytes, region.populate_mode, region.name) == (3999, "touch", None)
     assert region.page_size == syscalls.PAGE_SIZE and region.hugepage_fallbacks == ()
-    assert holder._owner is tensor  # the memory's owner lives as long as the holder
+    assert holder.keeps_alive is tensor  # the memory's owner lives as long as the holder
     del holder
     assert gone == [region.id]  # the holder's end is the region's
 
