@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         )
     url = http.url("/metrics")
     stop.wait()
-    http.stop()
+    http.stop(drain=False)  # a scrape in flight is not waited for: the process ends now
     events.info("hostpool.exporter_stopped", url=url, signal=stopped_by[0])
     return 0
 

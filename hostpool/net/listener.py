@@ -244,6 +244,7 @@ class Listener:
         self._server: _GuardedServer | None = None
         self._thread: threading.Thread | None = None
         self._map: dict[int, Any] = {}
+        self._drain = True
 
     @property
     def address(self) -> tuple[str, int]:
@@ -302,16 +303,23 @@ class Listener:
             while not server.stopping:
                 wasyncore.loop(timeout=0.5, map=self._map, use_poll=True, count=1)
             wasyncore.close_all(self._map)
-            server.task_dispatcher.shutdown(timeout=5)
+            if self._drain:
+                server.task_dispatcher.shutdown(timeout=5)
+            else:  # requests in flight end with the process (their sockets are closed)
+                server.task_dispatcher.set_thread_count(0)
 
         self._thread = threading.Thread(target=loop, name="hostpool-http", daemon=True)
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, *, drain: bool = True) -> None:
+        """Close the listener and every connection. `drain`: wait (a few seconds at most)
+        for the requests in flight to finish; without it, a caller that exits next is
+        not held by a slow one (the exporter's /proc scan: up to its scrape budget)."""
         if self._server is None or self._thread is None:
             self.socket.close()
             return
+        self._drain = drain
         self._server.stopping = True
         self._server.pull_trigger()  # wakes the loop now, not at its next timeout
         self._thread.join(timeout=10)
