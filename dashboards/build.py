@@ -52,12 +52,14 @@ NEEDS_NOTE = {
     "node_exporter": "Empty unless node_exporter is scraped (pick its host in `node`).",
     "exporter": "Empty unless `hostpool exporter` is scraped.",
     "node": "Empty unless `hostpool exporter --node` is scraped.",
+    "vllm": "Empty unless a vLLM server with hostpool's integration is scraped, and until "
+    "its metrics route has skipped a file.",
     "serve": "Empty unless `hostpool serve` is scraped (servers that embed hostpool, such as "
     "sglang and vLLM, have no populate phase of their own).",
 }
 
 PanelKind = Literal["timeseries", "heatmap", "stat", "gauge"]
-Needs = Literal["node_exporter", "exporter", "serve", "node"]
+Needs = Literal["node_exporter", "exporter", "serve", "node", "vllm"]
 
 
 @dataclass(frozen=True)
@@ -520,6 +522,25 @@ PROCESS = RowSpec(
             thresholds=((None, "green"), (1, "red")),
         ),
         PanelSpec(
+            "vLLM metrics route: skipped files",
+            "Files in vLLM's metrics directory that hostpool's metrics route left out of "
+            "/metrics, per interval and reason: name (not a worker's pid), not_regular (a "
+            "FIFO, symlink or directory), owner (another uid's), too_large, malformed, "
+            "stale_pid (left by an earlier process with that pid). Each scrape counts a file "
+            "again while it is there: a steady rate is one file to remove (the server logs "
+            "hostpool.vllm_metrics_file_skipped once per reason, with its name).",
+            "short",
+            (
+                q(
+                    "sum by (instance, reason) "
+                    f"(increase(hostpool_vllm_route_skipped_files_total{{{TARGET}}}{RATE}))",
+                    "{{instance}} {{reason}}",
+                ),
+            ),
+            thresholds=((None, "green"), (1, "orange")),
+            needs="vllm",
+        ),
+        PanelSpec(
             "Collector scrape time",
             "Time hostpool's collector took to build the last scrape. Above a second means "
             "very many live regions: scrapes risk timing out (raise scrape_timeout) and "
@@ -630,6 +651,22 @@ EXPORTER = RowSpec(
                 q(
                     f"sum by (prefix, reason) (hostpool_exporter_ignored_objects{{{TARGET}}})",
                     "{{prefix}} ignored {{reason}}",
+                ),
+            ),
+            width=24,
+            needs="exporter",
+        ),
+        PanelSpec(
+            "Exporter scrape time",
+            "Time `hostpool exporter` spent reading /proc for the last scrape (--pid or "
+            "--match). Near its --scrape-budget the scrape is cut short and its sums are "
+            "partial (truncated, in the panel above): narrow --match, or raise the budget "
+            "below Prometheus' scrape_timeout.",
+            "s",
+            (
+                q(
+                    f"max by (instance) (hostpool_exporter_scrape_duration_seconds{{{TARGET}}})",
+                    "{{instance}}",
                 ),
             ),
             width=24,

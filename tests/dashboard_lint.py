@@ -431,8 +431,9 @@ def panel_queries(
 def optional_panels(dashboard: Mapping[str, Any]) -> dict[str, str]:
     """Panels that may be empty, by what they need: every metric they query comes from
     node_exporter ("node_exporter"), from `hostpool exporter` ("exporter"), from its
-    node view `hostpool exporter --node` ("node") or from `hostpool serve` alone ("serve":
-    servers that embed hostpool have no populate phase)."""
+    node view `hostpool exporter --node` ("node"), from vLLM's metrics route ("vllm") or
+    from `hostpool serve` alone ("serve": servers that embed hostpool have no populate
+    phase)."""
     needs: dict[str, str] = {}
     for panel in content_panels(dashboard):
         names = set().union(*(metric_names(t.get("expr", "")) for t in panel.get("targets", [])))
@@ -442,6 +443,8 @@ def optional_panels(dashboard: Mapping[str, Any]) -> dict[str, str]:
             needs[panel["title"]] = "exporter"
         elif names and all(n.startswith("hostpool_host_") for n in names):
             needs[panel["title"]] = "node"
+        elif names and all(n.startswith("hostpool_vllm_") for n in names):
+            needs[panel["title"]] = "vllm"
         elif names and all(n.startswith("hostpool_serve_") for n in names):
             needs[panel["title"]] = "serve"
     return needs
