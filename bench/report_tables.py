@@ -259,10 +259,29 @@ def procfs_attacks(data: dict[str, Any], _ctx: Any) -> str:
     if cardinality:
         lines.append(
             f"- cardinality ({cardinality['date'][:10]}): uid {cardinality['attacker_uid']} "
-            f"named {cardinality['memfds']:,} memfds `hostpool.p<N>.1.1`; the root exporter "
-            f"served {cardinality['series']} `hostpool_exporter_*` series (cap "
+            f"named {cardinality['memfds']:,} memfds `hostpool.p<N>.<its pid>.1`; the root "
+            f"exporter served {cardinality['series']} `hostpool_exporter_*` series (cap "
             f"{cardinality['max_pools']} pools per prefix), "
             f'{cardinality["pools_folded"]:,} pools folded into `pool="_other"`;'
+        )
+    attribution = attacks.get("attribution")
+    if attribution:
+        ignored = ", ".join(f"{n} {reason}" for reason, n in attribution["ignored"].items())
+        lines.append(
+            f"- attribution by holder ({attribution['date'][:10]}): uid "
+            f"{attribution['attacker_uid']} and root held {attribution['forged_objects']} "
+            f"memfds ({attribution['forged_bytes'] >> 20} MiB) named after a live serve's "
+            f"pool: in no pool, ignored ({ignored}); the serve's "
+            f"{attribution['holders_counted']} holders (itself, a forked worker, a uid-65534 "
+            "receiver of its fd) counted;"
+        )
+    renamed = attacks.get("renamed_memfds")
+    if renamed:
+        lines.append(
+            f"- renamed memfds ({renamed['date'][:10]}): {renamed['processes']} processes made "
+            f"{renamed['memfds']:,} memfds with new names before each of {renamed['scrapes']} "
+            f"scrapes; the exporter's resident set {renamed['max_rss_mib']} MiB at most "
+            f"(steady: {renamed['steady_rss_mib']} MiB);"
         )
     advice = attacks.get("permission_advice")
     if advice:

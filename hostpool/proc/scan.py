@@ -41,7 +41,7 @@ Row = list[Any]
 ROW_PATH, ROW_MATCH, ROW_MAPPINGS, ROW_MAPPED, ROW_FDS, ROW_ALLOCATED, ROW_SMAPS = range(7)
 
 _CHECK_EVERY: Final = 256  # fds between two looks at the deadline when links are read
-_STALE_SLACK: Final = 4096  # parsed paths a scan did not meet, kept without a clean-up
+_STALE_SLACK: Final = 1024  # parsed paths a scan did not meet, kept without a clean-up
 _UNKNOWN: Final[Any] = object()
 # a smaps header line with a path: start, end, offset, major:minor, inode, path
 _MAPS_LINE: Final = rb"^([0-9a-f]+)-([0-9a-f]+) [^ \n]+ ([0-9a-f]+) ([0-9a-f]+:[0-9a-f]+) (\d+) +"

@@ -20,6 +20,7 @@ import pytest
 from hostpool.proc import owners, procgroup, scan
 from tests import helpers
 from tests.exporting import Samples, running_exporter, scrape, value
+from tests.reliability.results import record_procfs_attack as record
 
 MiB = 1 << 20
 PAGE = mmap.PAGESIZE
@@ -148,6 +149,14 @@ def test_a_name_forged_by_another_uid_counts_in_no_pool(serve: Serve) -> None:
         "owner_other_uid": 0,
         "unverified": 0,
     }
+    record(
+        "attribution",
+        forged_objects=4,
+        forged_bytes=32 * MiB,
+        attacker_uid=65534,
+        holders_counted=3,
+        ignored={r: int(n) for r, n in ignored(samples, p).items() if n},
+    )
 
 
 def test_forged_names_alone_do_not_keep_processes_up(serve: Serve) -> None:
