@@ -102,6 +102,7 @@ class HostBudget:
         self.directory = os.fspath(directory)
         self.lock_timeout_s = lock_timeout_s
         self._last_others = 0  # what peers reserved at the last read (for a busy scrape)
+        self._busy_told = False
         try:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
             os.close(self._open_directory())
@@ -140,10 +141,15 @@ class HostBudget:
     def reserved_bytes(self) -> int:
         """Bytes reserved on this host, this process's reservation included."""
         state = self._state
-        with state.lock, self._directory_locked(fcntl.LOCK_SH, None) as dir_fd:
-            if dir_fd is not None:
-                self._last_others, _ = self._peers(dir_fd, state.path, remove_stale=False)
-            return self._last_others + state.reserved
+        if not state.lock.acquire(timeout=READ_TIMEOUT_S):
+            return self._last_others + state.reserved  # an admission waits for the lock
+        try:
+            with self._directory_locked(fcntl.LOCK_SH, None) as dir_fd:
+                if dir_fd is not None:
+                    self._last_others, _ = self._peers(dir_fd, state.path, remove_stale=False)
+                return self._last_others + state.reserved
+        finally:
+            state.lock.release()
 
     # -- beyond the protocol ---------------------------------------------------------
     def settle(self, held: int) -> None:
@@ -187,9 +193,14 @@ class HostBudget:
                     )
                 timeout = self.lock_timeout_s if need is not None else READ_TIMEOUT_S
                 if shareddir.flock_within(fd, mode, timeout_s=timeout):
+                    self._busy_told = False
                     yield dir_fd
                     return
                 if need is None:
+                    if self._busy_told:  # once while it stays busy, not at every scrape
+                        yield None
+                        return
+                    self._busy_told = True
                     events.warning(
                         "hostpool.host_budget_busy",
                         lock=self._lock_path(),
