@@ -16,6 +16,7 @@ and prints what each saw of the planted objects.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -29,8 +30,34 @@ from typing import Any
 
 HOLDER_UID = 65534
 FILE_BYTES = 1 << 20
-# the engines of the planted names: nothing else in these namespaces has them
+# the engines of the planted names: nothing else in these namespaces has them; nor has
+# anything else a SysV segment in this IPC namespace
 PLANTED_ENGINES = ("kvcached", "lmcache", "python", "vllm")
+IPC_PRIVATE, IPC_CREAT = 0, 0o1000
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.shmat.restype = ctypes.c_void_p
+_libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+_libc.shmdt.argtypes = [ctypes.c_void_p]
+
+
+def _planted_kind(engine: str, kind: str) -> bool:
+    return engine in PLANTED_ENGINES or kind == "sysv"
+
+
+def _segment(mode: int) -> int:
+    shmid = int(_libc.shmget(IPC_PRIVATE, FILE_BYTES, IPC_CREAT | mode))
+    if shmid < 0:
+        raise OSError(ctypes.get_errno(), "shmget")
+    return shmid
+
+
+def _attach(shmid: int) -> int:
+    """Attach a segment and touch its pages; its address."""
+    address = _libc.shmat(shmid, None, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "shmat")
+    ctypes.memset(address, 1, FILE_BYTES)
+    return int(address)
 
 
 def _write(path: str, mode: int) -> None:
@@ -46,7 +73,7 @@ def _mount_tmpfs(path: str) -> None:
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", path], check=True)
 
 
-def pod(token: str, index: str) -> None:
+def pod(token: str, index: str, shmid: str) -> None:
     """In its own mount namespace: a tmpfs /dev/shm, an orphan, then the holder."""
     _mount_tmpfs("/dev/shm")
     _write(f"/dev/shm/vllm_offload_{token}_{index}.mmap", 0o600)  # the crashed run's
@@ -56,12 +83,13 @@ def pod(token: str, index: str) -> None:
         "setpriv",
         ["setpriv", f"--reuid={HOLDER_UID}", f"--regid={HOLDER_UID}", "--clear-groups",
          "--inh-caps=-all", "--bounding-set=-all",
-         sys.executable, __file__, "holder", token, index],
+         sys.executable, __file__, "holder", token, index, shmid],
     )  # fmt: skip
 
 
-def holder(token: str, index: str) -> None:
-    """An engine of another uid: a mapping-only file, an fd-only file, a memfd, anon shared."""
+def holder(token: str, index: str, shmid: str) -> None:
+    """An engine of another uid: a mapping-only file, an fd-only file, a memfd, anon
+    shared; the first pod's also a SysV segment attached."""
     fd = os.open(f"/dev/shm/kvcached_{token}_{index}", os.O_RDWR)
     mapped = mmap.mmap(fd, FILE_BYTES)
     os.close(fd)
@@ -72,6 +100,8 @@ def holder(token: str, index: str) -> None:
     anon = mmap.mmap(-1, FILE_BYTES, flags=mmap.MAP_SHARED)
     anon.write(b"\1" * FILE_BYTES)
     mapped[0] = 1
+    if index == "0":
+        _attach(int(shmid))
     print("ready", flush=True)
     signal.pause()
     del kept, memfd, anon, mapped
@@ -82,7 +112,7 @@ def _planted(objects: list[dict[str, Any]], token: str, pids: set[int]) -> list[
     out = []
     for o in objects:
         ours = o["kind"] == "anon_shared" and {h["pid"] for h in o["holders"]} <= pids
-        if token in (o["name"] or "") or ours:
+        if token in (o["name"] or "") or ours or o["kind"] == "sysv":
             holders = sorted((h["pid"], h["fds"], h["mappings"]) for h in o["holders"])
             out.append([o["kind"], o["name"], o["engine"], o["size_bytes"], o["orphan"], holders])
     return sorted(out, key=repr)
@@ -93,7 +123,7 @@ def _aggregate(objects: list[dict[str, Any]]) -> dict[str, list[int]]:
     the exporter's hostpool_host_shm_objects and _bytes say."""
     out: dict[str, list[int]] = {}
     for o in objects:
-        if o["engine"] in PLANTED_ENGINES:
+        if _planted_kind(o["engine"], o["kind"]):
             key = f"{o['engine']}/{o['kind']}/{'orphaned' if o['orphan'] else 'held'}"
             count, size = out.get(key, [0, 0])
             out[key] = [count + 1, size + o["resident_bytes"]]
@@ -131,7 +161,7 @@ def _scrape(argv: list[str]) -> dict[str, list[int]]:
         at = {"hostpool_host_shm_objects": 0, "hostpool_host_shm_bytes": 1}.get(family.name)
         for sample in family.samples if at is not None else []:
             labels = sample.labels
-            if labels["engine"] in PLANTED_ENGINES and sample.value:
+            if _planted_kind(labels["engine"], labels["kind"]) and sample.value:
                 key = f"{labels['engine']}/{labels['kind']}/{labels['state']}"
                 out.setdefault(key, [0, 0])[at] = int(sample.value)
     return out
@@ -140,11 +170,14 @@ def _scrape(argv: list[str]) -> dict[str, list[int]]:
 def node(token: str) -> None:
     _mount_tmpfs("/dev/shm")
     _write(f"/dev/shm/psm_{token}_node", 0o600)  # the node's own orphan
+    held = _segment(0o666)  # attached by the first pod's engine
+    orphan = _segment(0o600)  # attached once, then by nobody
+    _libc.shmdt(ctypes.c_void_p(_attach(orphan)))
     pods = []
     for index in ("0", "1"):
         p = subprocess.Popen(
             ["unshare", "--mount", "--propagation", "private",
-             sys.executable, __file__, "pod", token, index],
+             sys.executable, __file__, "pod", token, index, str(held)],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert p.stdout is not None

@@ -68,7 +68,9 @@ def test_the_daemonset_sees_what_root_sees_and_needs_both_capabilities() -> None
     pod = daemonset["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     caps = container["securityContext"]["capabilities"]["add"]
-    assert pod["hostPID"] and sorted(caps) == ["DAC_READ_SEARCH", "SYS_PTRACE"]
+    # the host's processes and the host's SysV segments (this node's IPC namespace)
+    assert pod["hostPID"] and pod["hostIPC"]
+    assert sorted(caps) == ["DAC_READ_SEARCH", "SYS_PTRACE"]
     assert pod["securityContext"]["runAsNonRoot"] is False
     views = [["root", "cmd", [sys.executable, "-m", "hostpool", "shm", "--json"]]]
     views.append(["daemonset", "scrape", as_the_daemonset(container, pod, caps)])
@@ -98,8 +100,9 @@ def test_the_daemonset_sees_what_root_sees_and_needs_both_capabilities() -> None
     assert planted == {
         ("file", "kvcached", False), ("file", "python", False), ("memfd", "lmcache", False),
         ("anon_shared", "unknown", False), ("file", "vllm", True), ("file", "python", True),
+        ("sysv", "unknown", False), ("sysv", "unknown", True),
     }  # fmt: skip
-    assert len(root["planted"]) == 11
+    assert len(root["planted"]) == 13
     holders = {h[0] for *_, hs in root["planted"] for h in hs}
     assert holders == set(seen["pids"])
     assert root["aggregate"] == {
@@ -107,6 +110,8 @@ def test_the_daemonset_sees_what_root_sees_and_needs_both_capabilities() -> None
         "lmcache/memfd/held": [2, 2 << 20],
         "python/file/held": [2, 2 << 20],
         "python/file/orphaned": [1, 1 << 20],
+        "unknown/sysv/held": [1, 1 << 20],
+        "unknown/sysv/orphaned": [1, 1 << 20],
         "vllm/file/orphaned": [2, 2 << 20],
     }
     # the DaemonSet's exporter, the same
