@@ -107,6 +107,41 @@ def other_cpu() -> Iterator[dict[str, float]]:
     out["other_cpus"] = max(0.0, other) / wall if wall > 0 else 0.0
 
 
+# Other processes' CPU (average over a run's samples) above which its figures are not
+# published as measured: the table says "measured under load" instead.
+QUIET_OTHER_CPUS = 0.2
+
+
+def other_cpus_of(data: Any) -> list[float]:
+    """Every `other_cpus` a result records (per sample, per case, per round), in order."""
+    found: list[float] = []
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if key == "other_cpus" and isinstance(value, int | float):
+                found.append(float(value))
+            else:
+                found += other_cpus_of(value)
+    elif isinstance(data, list):
+        for value in data:
+            found += other_cpus_of(value)
+    return found
+
+
+def load_verdict(data: dict[str, Any]) -> str | None:
+    """None for a quiet run; else one line saying why its figures are not clean: other
+    processes used more than QUIET_OTHER_CPUS on average, or the run recorded nothing."""
+    loads = other_cpus_of(data)
+    if not loads:
+        return "the load on the machine was not recorded for this run: rerun the bench"
+    mean = sum(loads) / len(loads)
+    if mean <= QUIET_OTHER_CPUS:
+        return None
+    return (
+        f"measured under load: other processes used {mean:.2f} CPUs on average "
+        f"(at most {QUIET_OTHER_CPUS} for a published figure); rerun on a quiet machine"
+    )
+
+
 def package_version(name: str) -> str | None:
     try:
         return metadata.version(name)

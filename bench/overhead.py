@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._common import other_cpu
 from hostpool import HostPoolManager, ShmHostTensorAllocator
 from hostpool.core.budget import Admission
 from hostpool.memory import cgroup, kernel
@@ -85,11 +86,15 @@ def main() -> int:
     order = list(runs)
     gc.collect()
     gc.disable()
+    blocks: list[float] = []  # other processes' CPU per block of 100 rotations
     try:
-        for i in range(args.samples):
-            rotated = order[i % 3 :] + order[: i % 3]
-            for name in rotated:
-                samples[name].append(runs[name]())
+        for start in range(0, args.samples, 100):
+            with other_cpu() as load:
+                for i in range(start, min(start + 100, args.samples)):
+                    rotated = order[i % 3 :] + order[: i % 3]
+                    for name in rotated:
+                        samples[name].append(runs[name]())
+            blocks.append(load["other_cpus"])
     finally:
         gc.enable()
 
@@ -111,6 +116,7 @@ def main() -> int:
         "benchmark": "overhead",
         "size_bytes": SIZE,
         "samples": args.samples,
+        "blocks": [{"other_cpus": x} for x in blocks],
         "machine": {
             "kernel": platform.release(),
             "cpus": os.cpu_count(),

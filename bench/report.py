@@ -5,7 +5,9 @@ and returns markdown (and writes any charts next to the JSON). The markdown is p
 and, where README.md has a region `<!-- bench:<name>:start -->` ... `<!-- bench:<name>:end
 -->`, written between the markers. A region may render another file's JSON
 (`report_serve.SOURCES`: the serve summaries). Figures are never typed by hand: rerun the
-benchmark, then this script.
+benchmark, then this script. A table from a run where other processes used more than
+`QUIET_OTHER_CPUS` on average (or that recorded no load) is marked in red as such, and
+`--strict` exits 1 for it.
 
 Adding a benchmark's section:
 
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import REPO_ROOT, RESULTS_DIR, format_size, read_json
+from bench._common import REPO_ROOT, RESULTS_DIR, format_size, load_verdict, read_json
 from bench.report_serve import SERVE, SOURCES
 from bench.report_tables import TABLES, machine_line
 
@@ -629,6 +631,9 @@ def main() -> int:
     parser.add_argument("--no-readme", action="store_true", help="print only")
     parser.add_argument("--no-charts", action="store_true", help="skip the PNGs")
     parser.add_argument("--only", action="append", choices=sorted(RENDERERS), help="repeatable")
+    parser.add_argument(
+        "--strict", action="store_true", help="exit 1 when a table is not from a quiet run"
+    )
     args = parser.parse_args()
 
     readme: Path | None = None if args.no_readme or not args.readme.exists() else args.readme
@@ -640,6 +645,7 @@ def main() -> int:
     for name in sorted(found - set(RENDERERS)):
         print(f"({name}.json has no renderer yet: add one to bench/report.py)", file=sys.stderr)
     rendered = 0
+    noisy: list[str] = []
     for name, render in RENDERERS.items():
         if args.only and name not in args.only:
             continue
@@ -649,7 +655,12 @@ def main() -> int:
             how = "make soak" if source == "soak" else f"bench/{source.split('-')[0]}.py"
             print(f"({path} missing: run {how})", file=sys.stderr)
             continue
-        body = render(read_json(path), ctx)
+        data = read_json(path)
+        body = render(data, ctx)
+        verdict = load_verdict(data)
+        if verdict is not None:
+            noisy.append(name)
+            body = f'<p style="color:red"><b>{verdict[0].upper()}{verdict[1:]}.</b></p>\n\n{body}'
         print(f"## {name}\n\n{body}\n")
         rendered += 1
         if updated is not None:
@@ -659,6 +670,10 @@ def main() -> int:
     if readme is not None and updated is not None and updated != readme_text:
         readme.write_text(updated)
         print(f"updated {readme}", file=sys.stderr)
+    if noisy:
+        print(f"not quiet (marked in red): {', '.join(noisy)}", file=sys.stderr)
+        if args.strict:
+            return 1
     return 0 if rendered else 1
 
 

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._common import other_cpu
 from hostpool import HostPoolManager
 from hostpool.metrics import HostPoolCollector
 
@@ -51,9 +52,17 @@ def series(kind: str) -> list[dict[str, float]]:
             while len(tensors) < count:
                 tensors.append(alloc.allocate((4096,), torch.uint8))
             fds = [r.fd for r in alloc.regions if r.fd is not None]
-            collect = timed(lambda: list(collector.collect()), 15)
-            fstat = timed(lambda fds=fds: [os.fstat(fd) for fd in fds], 15) if fds else 0.0
-            rows.append({"allocations": count, "collect_s": collect, "fstat_loop_s": fstat})
+            with other_cpu() as load:
+                collect = timed(lambda: list(collector.collect()), 15)
+                fstat = timed(lambda fds=fds: [os.fstat(fd) for fd in fds], 15) if fds else 0.0
+            rows.append(
+                {
+                    "allocations": count,
+                    "collect_s": collect,
+                    "fstat_loop_s": fstat,
+                    "other_cpus": load["other_cpus"],
+                }
+            )
         alloc.close()
         del tensors
     return rows

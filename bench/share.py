@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._common import other_cpu
 from hostpool import HostPoolManager
 from hostpool.memory import syscalls
 from hostpool.share import PoolShareServer, attach
@@ -112,25 +113,20 @@ def main() -> int:
                 listener.listen(1)
                 th = threading.Thread(target=serve_stream, args=(listener, payload))
                 th.start()
-                out = subprocess.run(
-                    [
-                        sys.executable,
-                        __file__,
-                        "--size",
-                        str(args.size),
-                        "--peer",
-                        path,
-                        stream_path,
-                    ],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                )
-                th.join()
-                listener.close()
-                os.unlink(stream_path)
-                sample = json.loads(out.stdout)
-                sample["owner_read_s"] = full_read(t)
+                with other_cpu() as load:
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--size", str(args.size), "--peer", path,
+                         stream_path],
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                    )  # fmt: skip
+                    th.join()
+                    listener.close()
+                    os.unlink(stream_path)
+                    sample = json.loads(out.stdout)
+                    sample["owner_read_s"] = full_read(t)
+                sample["other_cpus"] = load["other_cpus"]
                 runs.append(sample)
         del payload, t
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from bench import report_serve
-from bench._common import RESULTS_DIR, read_json, write_json
+from bench._common import RESULTS_DIR, load_verdict, read_json, write_json
 from bench.report import RENDERERS, Context, replace_region
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def _case(serve_s: float, bare_s: float, tail_s: float) -> dict[str, Any]:
         "serve": serve,
         "bare": [{"sigterm_to_exit_s": bare_s}],
         "ratios": [serve_s / bare_s],
-        "other_cpus": 0.42,
+        "other_cpus": 0.12,
         "median": {
             "serve_sigterm_to_exit_s": serve_s,
             "serve_last_release_to_exit_s": tail_s,
@@ -143,11 +143,11 @@ def test_serve_stop_judges_each_size_on_its_own_medians() -> None:
     text = report_serve.serve_stop(data, CTX)
     table = rows(text)
     assert table["1 GiB"] == (
-        "| 1 GiB | 0.50 s | 0.50 s | 1.00x (1.00-1.00x) | pass | 0.49 s | 10.0 ms | pass | 0.42 |"
+        "| 1 GiB | 0.50 s | 0.50 s | 1.00x (1.00-1.00x) | pass | 0.49 s | 10.0 ms | pass | 0.12 |"
     )
     assert table["4 GiB"] == (
         "| 4 GiB | 1.30 s | 1.00 s | 1.30x (1.30-1.30x) | **fail** | 0.60 s | 700.0 ms "
-        "| **fail** | 0.42 |"
+        "| **fail** | 0.12 |"
     )
     assert "16 GiB skipped: MemAvailable 10 GiB < 16 GiB + 2 GiB headroom." in text
     assert "| <= 1.2x |" in text and "| <= 500 ms |" in text
@@ -235,3 +235,42 @@ def test_the_readme_shows_what_the_committed_results_say(name: str) -> None:
     body = report_serve.SERVE[name](copy.deepcopy(data), CTX)
     assert re.search(rf"<!-- bench:{re.escape(name)}:start -->", readme), name
     assert replace_region(readme, name, body) == readme
+
+
+def _report(results: Path, readme: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "report.py"), "--results-dir", str(results),
+         "--readme", str(readme), "--no-charts", "--only", "serve_stop", *extra],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("other_cpus", "marked"),
+    [(0.12, None), (0.35, "Measured under load: other processes used 0.35")],
+)
+def test_a_table_from_a_busy_run_is_marked_and_strict_refuses_it(
+    tmp_path: Path, other_cpus: float, marked: str | None
+) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    case = _case(0.9, 1.0, 0.02) | {"other_cpus": other_cpus}
+    write_json(results / "serve_stop.json", stop_data({"2 GiB": case}))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bench:serve_stop:start -->\n<!-- bench:serve_stop:end -->\n")
+    done = _report(results, readme)
+    assert done.returncode == 0, done.stderr
+    text = readme.read_text()
+    strict = _report(results, readme, "--strict")
+    if marked is None:
+        assert "color:red" not in text and strict.returncode == 0
+    else:
+        assert f'<p style="color:red"><b>{marked}' in text
+        assert strict.returncode == 1 and "not quiet (marked in red): serve_stop" in strict.stderr
+
+
+def test_a_run_that_recorded_no_load_is_not_clean() -> None:
+    assert load_verdict({"cases": {"a": {"x": 1.0}}}) is not None
+    assert "not recorded" in str(load_verdict({"cases": {"a": {"x": 1.0}}}))
+    assert load_verdict({"rounds": [{"other_cpus": 0.1}, {"other_cpus": 0.3}]}) is None
+    assert "0.25" in str(load_verdict({"rounds": [{"other_cpus": 0.2}, {"other_cpus": 0.3}]}))
