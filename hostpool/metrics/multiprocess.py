@@ -20,8 +20,9 @@ failure is counted in `hostpool_publish_errors_total{kind}` (shown by the first 
 that succeeds) and logged once per kind, and the thread tries again every `interval`.
 `ensure_publisher()` is the one entry point for server integrations (sglang, vLLM): call it
 after an allocation; it starts this process's publisher once and never raises. A forked
-child gets its own publisher (its hook in `hostpool.base.fork`): a fork waits for a publish in flight,
-so the child never inherits prometheus_client's lock held by a thread it does not have.
+child gets its own publisher (its hook in `hostpool.base.fork`): a fork waits for a publish
+in flight, so the child never inherits prometheus_client's lock held by a thread it does
+not have.
 """
 
 from __future__ import annotations
