@@ -72,7 +72,7 @@ def scrape(collector: metrics_route.VllmWorkersCollector) -> dict[str, dict[str,
     return samples
 
 
-def worker_file(pid: int, value: float, *, start: float | None = None) -> str:
+def worker_file(pid: int, value: float, *, start: int | None = None) -> str:
     return json.dumps(
         {
             "pid": pid,
@@ -95,7 +95,7 @@ def test_odd_files_are_skipped_and_counted(directory: Path, children: Any) -> No
     # A file left by an earlier process with this pid (its start time differs).
     start = metrics_files.process_start(reused.pid)
     assert start is not None
-    (directory / f"{reused.pid}.json").write_text(worker_file(reused.pid, 1e12, start=start - 60))
+    (directory / f"{reused.pid}.json").write_text(worker_file(reused.pid, 1e12, start=start - 1))
     (directory / "\u00b2.json").write_text("{}")  # '²'.isdigit() is True; not a pid
     collector = metrics_route.VllmWorkersCollector(directory)
     with structlog.testing.capture_logs() as logs:

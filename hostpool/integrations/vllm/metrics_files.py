@@ -3,8 +3,9 @@ worker, read by its API server, and read only as written.
 
 A worker's file is `<pid>.json` (the pid in ASCII digits, as `str(pid)` writes it), a
 regular file of this uid holding `{"pid": PID, "start": T, "samples": {...}}`, where `T`
-is the process's start time (psutil's `create_time()`, from /proc/PID/stat) so that a
-file left by a dead worker whose pid was reused is told apart from the new process's.
+is the process's start time (field 22 of /proc/PID/stat, clock ticks since boot: exact and
+fixed for the process's life, unlike a wall-clock time derived from it) so that a file
+left by a dead worker whose pid was reused is told apart from the new process's.
 
 The reader opens a file with `O_NONBLOCK | O_NOFOLLOW` beside the directory's fd, checks
 with fstat that it is a regular file of this uid, reads at most MAX_FILE_BYTES, and checks
@@ -62,11 +63,18 @@ def pid_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def process_start(pid: int) -> float | None:
+def process_start(pid: int) -> int | None:
     """The process's start time as the file records it; None if it is gone."""
     try:
-        return float(psutil.Process(pid).create_time())
-    except psutil.Error:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return None
+    # "PID (COMM) STATE ...": COMM may hold spaces and ')'; field 22 is the 20th after it
+    fields = stat_line.rpartition(b")")[2].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
         return None
 
 
@@ -90,7 +98,7 @@ class Skipped(Exception):
         self.reason = reason
 
 
-def read(dir_fd: int, pid: int, start: float) -> dict[str, Rows] | None:
+def read(dir_fd: int, pid: int, start: int) -> dict[str, Rows] | None:
     """The samples of the worker `pid` (started at `start`) from its file beside `dir_fd`:
     None when it has no file (not a hostpool worker); Skipped when it is not one to use."""
     import json

@@ -260,9 +260,8 @@ class VllmWorkersCollector(Collector):
         dir_fd = os.open(self.directory, flags)
         try:
             for child in sorted(children, key=lambda p: p.pid):
-                try:
-                    start = float(child.create_time())
-                except psutil.Error:
+                start = metrics_files.process_start(child.pid)
+                if start is None:
                     continue  # gone since listed
                 try:
                     samples = metrics_files.read(dir_fd, child.pid, start)
