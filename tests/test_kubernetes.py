@@ -368,7 +368,7 @@ def test_vllm_examples_start_clean_and_hold_what_doctor_sizes(
         sized_by = re.search(r"--engine-memory (\S+) --shm-extra (\S+) --container vllm", said)
         assert sized_by is not None, name
         memory, extra = sized_by.groups()
-        patch = doctor_patch(command[4:], engine_memory=memory, shm_extra=extra)
+        patch = doctor_patch(command, engine_memory=memory, shm_extra=extra)
         (want,) = patch["spec"]["template"]["spec"]["containers"]
         for key, value in want["resources"]["limits"].items():
             assert resources["limits"][key] == value, (name, key)

@@ -60,7 +60,10 @@ def engine_of(argv: Sequence[str]) -> str:
 
 
 def needs_from_command(argv: Sequence[str]) -> list[PoolNeed]:
-    """The pools an engine command line asks for (ConfigError when it asks for none)."""
+    """The pools an engine command line asks for (ConfigError when it asks for none); a
+    `hostpool run ... -- CMD` wrapper (as a pod's command has it) is looked through."""
+    if argv and os.path.basename(argv[0]) == "hostpool" and "--" in argv:
+        argv = argv[list(argv).index("--") + 1 :]
     if engine_of(argv) == "vllm":
         return vllm_needs(argv)
     return sglang_needs(argv)
