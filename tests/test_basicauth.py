@@ -170,7 +170,7 @@ def test_no_round_runs_for_a_client_that_has_gone(blocking: BlockingBcrypt) -> N
 
 
 def test_failed_logins_are_logged_with_their_count_when_no_failure_follows() -> None:
-    auth = BasicAuth({"alice": HASH}, text_app("in\n"), log_interval=0.2)
+    auth = BasicAuth({"alice": HASH}, text_app("in\n"), log_interval=1.0)
     environ = {"HTTP_AUTHORIZATION": header("alice", "wrong"), "REMOTE_ADDR": "127.0.0.9"}
     statuses: list[str] = []
     with capture_logs() as logs:
@@ -180,11 +180,12 @@ def test_failed_logins_are_logged_with_their_count_when_no_failure_follows() -> 
 
         def told() -> list[dict[str, Any]] | None:
             got = [e for e in logs if e["event"] == "hostpool.http_unauthorized"]
-            return got if len(got) == 2 else None
+            return got if sum(e["count"] for e in got) == 3 else None
 
-        first, held = waiting.wait_for(told, "the held-back failures, flushed by the timer")
-    assert (first["count"], first["why"], first["client"]) == (1, basicauth.WRONG, "127.0.0.9")
-    assert (held["count"], held["why"]) == (2, basicauth.WRONG)
+        # the held-back ones come with their count although no fourth failure follows
+        got = waiting.wait_for(told, "the held-back failures, flushed by the timer")
+    assert len(got) >= 2 and got[0]["count"] == 1
+    assert all((e["why"], e["client"]) == (basicauth.WRONG, "127.0.0.9") for e in got)
 
 
 def ok(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
