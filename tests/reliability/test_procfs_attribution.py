@@ -21,6 +21,9 @@ from hostpool.proc import owners, procgroup, scan
 from tests import helpers
 from tests.exporting import Samples, running_exporter, scrape, value
 from tests.reliability.results import record_procfs_attack as record
+from tests.reliability.share_support import Held, public_dir
+
+__all__ = ["public_dir"]  # a fixture
 
 MiB = 1 << 20
 PAGE = mmap.PAGESIZE
@@ -217,3 +220,47 @@ def test_a_scan_that_cannot_read_the_owner_goes_by_uid(serve: Serve) -> None:
         _stop(evil)
     assert code == 0, out
     assert out == repr(({(p, "owner_other_uid"): 2}, {evil.pid: {(p, serve.pool): 2}}))
+
+
+def test_share_clients_of_another_uid_count_in_the_servers_pool(public_dir: str) -> None:
+    """hostpool's own share: the server (this process) allocates, a uid-65534 client
+    attaches read-only (a reopening of the same inode) and holds it; a forger of the same
+    uid names a memfd after the server's pool. The client counts, the forger does not."""
+    import torch
+
+    from hostpool import HostPoolManager
+    from hostpool.share import PoolShareServer, attach
+
+    pool = f"sh{secrets.token_hex(3)}"
+    p = f"hostpool.{pool}"
+    path = os.path.join(public_dir, "s", "pool.sock")
+    with HostPoolManager() as manager:
+        t = manager.allocator(pool).allocate((MiB,), torch.uint8)
+        t.fill_(1)
+        with PoolShareServer(manager, path, allowed_uids=[65534]):
+
+            def client() -> int:
+                handle = attach(path, pool, readonly=True)
+                keep.append(handle)
+                return int(handle.tensors[0].sum())
+
+            keep: list[object] = []
+            peer = Held(client, uid=65534)
+            evil = forger(f"{p}.{os.getpid()}.99")
+            try:
+                assert peer.result == MiB
+                with running_exporter("--match", p) as exporter:
+                    _, samples = scrape(exporter.url)
+                    exporter.stop()
+            finally:
+                _stop(evil)
+                assert peer.end() == 0
+        del t
+    labels = {"prefix": p, "pool": pool}
+    assert value(samples, "hostpool_exporter_processes", prefix=p) == 2  # server + client
+    # the server's mapping; the client's: the one it attached, and the server's it
+    # inherited when forked (this test's way of making a process of another uid)
+    assert value(samples, "hostpool_exporter_mapped_bytes", **labels) == 3 * MiB
+    # the object's pages once per process that holds it: not the forger's 8 MiB
+    assert value(samples, "hostpool_exporter_resident_bytes", **labels) == 2 * MiB
+    assert ignored(samples, p)["not_held_by_owner"] == 1
