@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 
-.PHONY: run test test-fast lint bench soak dashboards prometheus kubectl sglang-libs vllm-venv clean
+.PHONY: run test test-fast lint docs bench soak dashboards prometheus kubectl sglang-libs vllm-venv clean
 
 SERVE_STAMP := $(VENV)/.serve-stamp
 
@@ -90,6 +90,10 @@ lint: $(STAMP)
 	$(PY) tools/check_private_names.py hostpool
 	# The C extension compiles without a warning (pip builds it without -Werror).
 	gcc -fsyntax-only -Wall -Wextra -Werror -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" hostpool/proc/bulkread.c
+
+# The documentation site (docs/, nav in mkdocs.yml) on http://127.0.0.1:8000.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs serve
 
 # The other page states compare the targets' variants only (restated peers: warm table).
 POPULATE_STATES = hostpool_shm,hostpool_shm_2mb,hostpool_mmap,sglang_alloc_shm,sglang_alloc_mmap_2mb,sglang_alloc_mmap_parallel,torch_empty_zero,bare_hugetlb_madvise,bare_shm_populate,bare_anon_populate
