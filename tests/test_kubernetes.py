@@ -411,3 +411,35 @@ def test_exporter_resources_cover_the_bench(fleet: list[dict[str, Any]]) -> None
     assert requests["cpu"] >= bench["cpu_s_max"] / interval
     # at the limit, the heaviest scrape takes under half the exporter's budget (5 s)
     assert limits["cpu"] * 5 >= 2 * bench["cpu_s_max"]
+
+
+# torch's import fails; then the hostpool command line
+WITHOUT_TORCH = """
+import runpy, sys
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is not in this image")
+sys.meta_path.insert(0, NoTorch())
+sys.argv = ["hostpool", *sys.argv[1:]]
+runpy.run_module("hostpool", run_name="__main__")
+"""
+
+
+def test_what_the_image_runs_needs_no_torch() -> None:
+    """The Containerfile installs hostpool without torch: every command the manifests run
+    (and shm, doctor) works with torch's import failing."""
+    from tests.kubeview import _scrape
+
+    for argv in (["shm", "--json"], ["reap", "--min-age", "0"], ["run", "--reap", "--", "true"],
+                 ["doctor", "--kubernetes", "--", "vllm", "serve", "m", "--kv-offloading-size",
+                  "1"]):  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-c", WITHOUT_TORCH, *argv],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode in (0, 1), (argv, proc.stderr[-2000:])
+        assert "torch is not in this image" not in proc.stderr, argv
+    exporter = [sys.executable, "-c", WITHOUT_TORCH, "exporter", "--node", "--host", "127.0.0.1",
+                "--port", "0"]  # fmt: skip
+    _scrape(exporter)  # raises with the exporter's stderr if it could not serve a scrape
