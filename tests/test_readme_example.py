@@ -1,4 +1,4 @@
-"""README's library example runs as written on a 4 GiB host and ends clean.
+"""The library example (docs/library.md) runs as written on a 4 GiB host and ends clean.
 
 The block is found by its marker comment, written to a file and run in a fresh interpreter
 (inside a cgroup capped at 4 GiB where this host lets the test make one). It must exit 0
@@ -18,7 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKER = "# README library example:"
+PAGE = ROOT / "docs" / "library.md"
+MARKER = "# library example:"
 GiB = 1 << 30
 CAP = 4 * GiB
 HEADROOM = 1 * GiB  # torch, the interpreter and the page cache live beside the pools
@@ -43,11 +44,11 @@ with open("/proc/self/cgroup") as f:
 
 
 def example() -> str:
-    """The README's python block that starts with MARKER (under "## Library")."""
-    readme = (ROOT / "README.md").read_text()
+    """The page's python block that starts with MARKER (under its title)."""
+    readme = PAGE.read_text()
     blocks: list[str] = re.findall(r"^```python\n(.*?)^```$", readme, re.M | re.S)
     found = [b for b in blocks if b.startswith(MARKER)]
-    assert len(found) == 1, f"{len(found)} README python blocks start with {MARKER!r}"
+    assert len(found) == 1, f"{len(found)} {PAGE.name} python blocks start with {MARKER!r}"
     return found[0]
 
 
@@ -116,10 +117,10 @@ def run_example(path: Path, procs: Path | None) -> subprocess.CompletedProcess[s
 
 def test_the_example_is_the_library_section_and_modest() -> None:
     code = example()
-    readme = (ROOT / "README.md").read_text()
-    assert readme.index(MARKER) > readme.index("\n## Library\n")
+    readme = PAGE.read_text()
+    assert readme.index(MARKER) > readme.index("# hostpool as a library\n")
     assert "with HostPoolManager(" in code and "manager.close()" in code
-    compile(code, "README.md", "exec")  # a syntax error is a failure here, not a skip
+    compile(code, str(PAGE), "exec")  # a syntax error is a failure here, not a skip
 
 
 def test_the_example_runs_as_written_in_4_gib_and_ends_clean(tmp_path: Path) -> None:
