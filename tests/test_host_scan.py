@@ -248,3 +248,20 @@ def test_sysv_orphan(root: None) -> None:
     finally:
         assert libc.shmctl(shmid, 0, None) == 0  # IPC_RMID
     assert helpers is not None
+
+
+def test_json_keeps_a_name_that_is_not_utf8(root: None) -> None:
+    """Bytes /proc shows that are not UTF-8 come out escaped (`\\udcff`), whichever
+    encoder runs."""
+    path = b"/dev/shm/psm_test\xff" + secrets.token_hex(3).encode()
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.write(fd, b"x")
+        os.close(fd)
+        out = hostpool_shm("--json", "--orphans")
+        assert out.returncode == 0, out.stderr
+        names = [o["name"] for o in json.loads(out.stdout)["objects"]]
+        assert os.fsdecode(path).rpartition("/")[2] in names
+        assert "\\udcff" in out.stdout
+    finally:
+        os.unlink(path)

@@ -44,13 +44,30 @@ def run(args: argparse.Namespace) -> int:
     view = scan_host()
     objects = select(view.objects, engines=args.engine, orphans=args.orphans)
     if args.json:
-        doc = view.as_json()
-        doc["objects"] = [o.as_json() for o in objects]
-        json.dump(doc, sys.stdout, separators=(",", ":"))
-        sys.stdout.write("\n")
+        sys.stdout.buffer.write(encode(view, objects) + b"\n")
     else:
         render(view, objects, sys.stdout)
     return 0
+
+
+def encode(view: HostView, objects: Iterable[HostObject] | None = None) -> bytes:
+    """The `--json` document of `view` (with `objects` instead of all of them), compact
+    UTF-8. orjson encodes it ~10x faster where installed (a host lists tens of
+    thousands of objects); the standard encoder otherwise, and for names orjson refuses
+    (bytes /proc showed that are not UTF-8: escaped as `\\udcXX`, as json does)."""
+    doc = view.as_json()
+    if objects is not None:
+        doc["objects"] = [o.as_json() for o in objects]
+    try:
+        import orjson
+    except ImportError:
+        pass
+    else:
+        try:
+            return orjson.dumps(doc)
+        except TypeError:
+            pass  # a lone surrogate: the standard encoder escapes it
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def select(

@@ -17,8 +17,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
-from hostpool.proc.procfs import GONE
-
 SHM_FSTYPES: Final = frozenset({"tmpfs", "devtmpfs", "hugetlbfs"})
 _OCTAL: Final = re.compile(r"\\([0-7]{3})")
 
@@ -137,13 +135,9 @@ def tmpfs_mounts(namespaces: Namespaces) -> tuple[list[TmpfsMount], dict[int, st
     return list(chosen.values()), devices
 
 
-@dataclass(frozen=True, slots=True)
-class TmpfsFile:
-    """A regular file found on a tmpfs mount."""
-
-    path: str  # root + the path inside the mount
-    name: str  # the path inside the mount, without the leading '/'
-    st: os.stat_result
+# a regular file found on a mount: (its path inside the mount without the leading '/',
+# a path this process can reach it by, its lstat)
+TmpfsFile = tuple[str, str, os.stat_result]
 
 
 def walk(mount: TmpfsMount) -> Iterator[TmpfsFile]:
@@ -154,11 +148,12 @@ def walk(mount: TmpfsMount) -> Iterator[TmpfsFile]:
     except OSError:
         return
     stack: list[tuple[int, str]] = [(top, "")]
+    root = mount.root.rstrip("/")
     try:
         while stack:
             dir_fd, rel = stack.pop()
             try:
-                yield from _files_in(mount, dir_fd, rel, stack)
+                yield from _files_in(mount.st_dev, root, dir_fd, rel, stack)
             finally:
                 os.close(dir_fd)
     finally:  # a walk abandoned part way
@@ -167,7 +162,7 @@ def walk(mount: TmpfsMount) -> Iterator[TmpfsFile]:
 
 
 def _files_in(
-    mount: TmpfsMount, dir_fd: int, rel: str, stack: list[tuple[int, str]]
+    dev: int, root: str, dir_fd: int, rel: str, stack: list[tuple[int, str]]
 ) -> Iterator[TmpfsFile]:
     try:
         entries = list(os.scandir(dir_fd))
@@ -178,11 +173,11 @@ def _files_in(
             st = entry.stat(follow_symlinks=False)
         except OSError:
             continue  # gone since the listing
-        name = f"{rel}/{entry.name}" if rel else entry.name
-        if st.st_dev != mount.st_dev:
+        if st.st_dev != dev:
             continue  # another mount on top of this directory: walked on its own
+        name = f"{rel}/{entry.name}" if rel else entry.name
         if stat.S_ISREG(st.st_mode):
-            yield TmpfsFile(f"{mount.root.rstrip('/')}/{name}", name, st)
+            yield name, f"{root}/{name}", st
         elif stat.S_ISDIR(st.st_mode):
             try:
                 fd = os.open(
@@ -190,8 +185,6 @@ def _files_in(
                     os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                     dir_fd=dir_fd,
                 )
-            except GONE:
-                continue
             except OSError:
-                continue  # not ours to read: its files stay unattributed
+                continue  # gone, or not ours to read: its files stay unattributed
             stack.append((fd, name))

@@ -16,10 +16,19 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 from hostpool.host.engines import engine_of, pool_of
-from hostpool.host.model import Holder, HostObject, HostTotals, HostView, Identity, ObjectKind
+from hostpool.host.model import (
+    Engine,
+    Holder,
+    HostObject,
+    HostTotals,
+    HostView,
+    Identity,
+    ObjectKind,
+)
 from hostpool.host.mounts import (
     TmpfsMount,
     mount_namespaces,
@@ -83,7 +92,7 @@ def holders_of(identities: Collection[Identity]) -> dict[Identity, tuple[Holder,
     return {identity: tuple(holders) for identity, holders in found.items()}
 
 
-@dataclass
+@dataclass(slots=True)
 class _Seen:
     """One object as the processes read so far hold it."""
 
@@ -96,14 +105,14 @@ class _Seen:
     mapped: int = 0
     shared: bool = False
     via: tuple[int, bytes] | None = None  # a VMA of a holder: /proc/PID/map_files name
-    path: str | None = None  # a path this process can reach it by (tmpfs files)
-    name: str | None = None  # the name inside its mount (tmpfs files)
-    st_blocks_bytes: int | None = None
 
     def add(self, pid: int, comm: str, row: Row) -> None:
+        """One process's row (processes come in pid order: holders stay sorted)."""
         self.holders.append(Holder(pid, comm, row[ROW_FDS], row[ROW_MAPPINGS]))
-        self.mapped = max(self.mapped, row[ROW_MAPPED])
-        self.shared = self.shared or row[HROW_SHARED]
+        if row[ROW_MAPPED] > self.mapped:
+            self.mapped = row[ROW_MAPPED]
+        if row[HROW_SHARED]:
+            self.shared = True
         if self.allocated is None and row[ROW_ALLOCATED] is not None:
             self.allocated = row[ROW_ALLOCATED]
             self.size, self.mtime = row[HROW_SIZE], row[HROW_MTIME] or row[HROW_CTIME]
@@ -180,13 +189,17 @@ def scan_host(*, deadline: float | None = None) -> HostView:
     objects = _held_objects(scan, now)
     objects += _files(scan, mounts, now)
     objects += _segments(scan, read_segments(), now)
-    objects.sort(key=lambda o: (o.engine, o.kind, o.name, o.identity or (0, 0)))
+    objects.sort(key=_order)
     return HostView(
         tuple(objects),
         _totals(objects),
         unreadable=scan.unreadable,
         complete=not scan.truncated,
     )
+
+
+def _order(o: HostObject) -> tuple[str, str, str]:
+    return o.engine, o.kind, o.name
 
 
 def _measure_mapped_only(scan: _Scan) -> None:
@@ -228,6 +241,13 @@ def _held_objects(scan: _Scan, now: float) -> list[HostObject]:
     return out
 
 
+@lru_cache(maxsize=1 << 16)
+def _naming(base: str) -> tuple[Engine, str | None]:
+    """(engine, pool) of a name (the pool only for hostpool's and sglang's names)."""
+    engine = engine_of(base)
+    return engine, pool_of(base) if engine in ("hostpool", "sglang") else None
+
+
 def _object(
     kind: ObjectKind,
     name: str,
@@ -237,23 +257,14 @@ def _object(
     *,
     hugetlb: bool,
     orphan: bool = False,
+    shmid: int | None = None,
 ) -> HostObject:
     base = name.rpartition("/")[2] if kind == "file" else name  # a memfd's name may hold '/'
-    engine = engine_of(base)
-    return HostObject(
-        kind=kind,
-        name=name,
-        path=path,
-        engine=engine,
-        pool=pool_of(base) if engine in ("hostpool", "sglang") else None,
-        size_bytes=seen.size if seen.size is not None else seen.mapped,
-        resident_bytes=seen.allocated or 0,
-        holders=tuple(sorted(seen.holders, key=lambda h: h.pid)),
-        orphan=orphan,
-        age_seconds=None if seen.mtime is None else max(0.0, now - seen.mtime),
-        identity=seen.identity,
-        hugetlb=hugetlb,
-    )
+    engine, pool = _naming(base)
+    size = seen.size if seen.size is not None else seen.mapped
+    age = None if seen.mtime is None else max(0.0, now - seen.mtime)
+    return HostObject(kind, name, path, engine, pool, size, seen.allocated or 0,
+                      tuple(seen.holders), orphan, age, seen.identity, shmid, hugetlb)  # fmt: skip
 
 
 def _files(scan: _Scan, mounts: list[TmpfsMount], now: float) -> list[HostObject]:
@@ -261,32 +272,27 @@ def _files(scan: _Scan, mounts: list[TmpfsMount], now: float) -> list[HostObject
     not found there (unlinked, or on a mount no namespace shows) come last, path None."""
     out = []
     done: set[Identity] = set()
+    objects = scan.objects
     for mount in mounts:
-        for found in walk(mount):
-            st = found.st
-            identity = (st.st_dev, st.st_ino)
+        dev, hugetlb = mount.st_dev, mount.hugetlb
+        major, minor = os.major(dev), os.minor(dev)
+        for name, path, st in walk(mount):
+            ino = st.st_ino
+            identity = (dev, ino)
             if identity in done:
                 continue  # a hard link of a file already listed
             done.add(identity)
-            key = (st.st_ino, os.major(st.st_dev), os.minor(st.st_dev))
-            seen = scan.objects.get(key)
-            held = seen is not None
-            if seen is None:
-                seen = _Seen(("file", found.name), identity)
-            seen.allocated, seen.size = st.st_blocks * 512, st.st_size
-            seen.mtime = st.st_mtime
-            out.append(
-                _object(
-                    "file",
-                    found.name,
-                    found.path,
-                    seen,
-                    now,
-                    hugetlb=mount.hugetlb,
-                    orphan=not held,
-                )
-            )
-    for okey, seen in scan.objects.items():
+            seen = objects.get((ino, major, minor))
+            if seen is None:  # an orphan: most files on a busy /dev/shm, made directly
+                engine, pool = _naming(name.rpartition("/")[2])
+                age = max(0.0, now - st.st_mtime)
+                out.append(HostObject("file", name, path, engine, pool, st.st_size,
+                                      st.st_blocks * 512, (), True, age, identity,
+                                      None, hugetlb))  # fmt: skip
+                continue
+            seen.allocated, seen.size, seen.mtime = st.st_blocks * 512, st.st_size, st.st_mtime
+            out.append(_object("file", name, path, seen, now, hugetlb=hugetlb))
+    for okey, seen in objects.items():
         if seen.identity is None or seen.identity in done or not isinstance(okey, tuple):
             continue
         if okey[0] == "sysv" or seen.identity[0] not in scan.mount_devices:
@@ -307,16 +313,19 @@ def _segments(scan: _Scan, segments: list[Segment], now: float) -> list[HostObje
             seen = _Seen(("sysv", seg.name), (scan.shmem, seg.shmid))
         seen.allocated, seen.size = seg.rss, seg.size
         seen.mtime = float(seg.changed) if seg.changed else None
-        obj = _object(
-            "sysv",
-            seg.name,
-            None,
-            seen,
-            now,
-            hugetlb=seen.identity is not None and seen.identity[0] in scan.hugetlb,
-            orphan=seg.nattch == 0,
+        hugetlb = seen.identity is not None and seen.identity[0] in scan.hugetlb
+        out.append(
+            _object(
+                "sysv",
+                seg.name,
+                None,
+                seen,
+                now,
+                hugetlb=hugetlb,
+                orphan=seg.nattch == 0,
+                shmid=seg.shmid,
+            )
         )
-        out.append(_with_shmid(obj, seg.shmid))
     listed = {seg.shmid for seg in segments}
     for okey, seen in scan.objects.items():
         if (
@@ -325,13 +334,11 @@ def _segments(scan: _Scan, segments: list[Segment], now: float) -> list[HostObje
             and not (okey[1] is None and okey[2] in listed)
         ):
             dev = seen.identity[0] if seen.identity else 0
-            obj = _object("sysv", seen.info[1], None, seen, now, hugetlb=dev in scan.hugetlb)
-            out.append(_with_shmid(obj, int(okey[2])))
+            hugetlb = dev in scan.hugetlb
+            out.append(
+                _object("sysv", seen.info[1], None, seen, now, hugetlb=hugetlb, shmid=int(okey[2]))
+            )
     return out
-
-
-def _with_shmid(obj: HostObject, shmid: int) -> HostObject:
-    return replace(obj, shmid=shmid)
 
 
 def _totals(objects: list[HostObject]) -> HostTotals:

@@ -49,17 +49,15 @@ def read_segments(path: str = SYSVIPC_SHM) -> list[Segment]:
     wanted = ("key", "shmid", "size", "cpid", "lpid", "nattch", "atime", "dtime", "ctime")
     if not all(w.encode() in at for w in wanted):
         return []
+    columns = [at[w.encode()] for w in wanted]
+    rss, swap = at.get(b"rss"), at.get(b"swap")
     out = []
     for line in lines[1:]:
         fields = line.split()
         if len(fields) < len(header):
             continue
-
-        def get(name: str, fields: list[bytes] = fields) -> int:
-            i = at.get(name.encode())
-            return 0 if i is None else int(fields[i])
-
-        out.append(
-            Segment(*(get(w) for w in wanted), rss=get("rss"), swap=get("swap"))  # type: ignore[misc]
-        )
+        values = [int(fields[i]) for i in columns]
+        values.append(0 if rss is None else int(fields[rss]))
+        values.append(0 if swap is None else int(fields[swap]))
+        out.append(Segment(*values))
     return out

@@ -1,0 +1,421 @@
+"""`hostpool shm --json` and `hostpool exporter --node` at scale, next to the bare cost of
+the same /proc reads, directory listings and stat calls.
+
+The host of issue 33: 200 processes with 500 fds each (each holds 10 memfds of its own,
+15 of the /dev/shm files, 2 SysV segments and a shared anonymous page; the rest of its
+fds are /dev/null: an engine's sockets, pipes and logs), 5,000 files in /dev/shm (3,000
+held, 2,000 orphans), 500 SysV segments (400 attached), 20 private mount namespaces
+(`unshare -m`, each a sleeping process with a tmpfs of 10 files). One page per object.
+
+Per round, in rotating order (each side in each place equally often), all in this
+process:
+- bare: what the scan reads, read and nothing interpreted: every process's `ns/mnt`
+  link, maps, comm, fd listing and a stat per fd; each other namespace's mountinfo; a
+  stat of each tmpfs root and a scandir + lstat of every directory and file there;
+  /proc/sysvipc/shm and /proc/meminfo; the link of each object held only by an fd and
+  one `map_files` stat per object held only by mappings (the lists made before timing);
+- shm: `scan_host()` and the `--json` document encoded (`hostpool.cli.shm.encode`: what
+  `hostpool shm --json` does after its imports);
+- node: `HostCollector.collect()` (`hostpool exporter --node`'s scrape).
+Also one `hostpool shm --json` run as a command (imports included). Ratios are side /
+bare per round, their median reported; `other_cpus` is the CPU the rest of the machine
+used meanwhile (other work slows every side).
+
+Targets (issue 33): shm and node <= 1.3x bare, and under 2 s. Root only (SysV attach,
+namespaces). Writes bench/results/host_scan.json. Everything made is removed on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import RESULTS_DIR, machine_facts, other_cpu, utc_now, write_json
+from hostpool.host.scan import scan_host
+
+RESULTS = RESULTS_DIR / "host_scan.json"
+WALL_TARGET_S = 2.0
+RATIO_TARGET = 1.3
+PAGE = mmap.PAGESIZE
+SIDES = ("bare", "shm", "node")
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.shmat.restype = ctypes.c_void_p
+_libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+_libc.shmctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+
+
+@contextmanager
+def shm_files(directory: str, count: int) -> Iterator[list[str]]:
+    os.mkdir(directory, 0o700)
+    try:
+        paths = []
+        page = b"\1" * PAGE
+        for i in range(count):
+            path = f"{directory}/f{i}"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(fd, page)
+            os.close(fd)
+            paths.append(path)
+        yield paths
+    finally:
+        shutil.rmtree(directory)
+
+
+@contextmanager
+def segments(count: int) -> Iterator[list[int]]:
+    ids: list[int] = []
+    try:
+        for _ in range(count):
+            shmid = _libc.shmget(0, PAGE, 0o600 | 0o1000)
+            if shmid < 0:
+                raise OSError(ctypes.get_errno(), "shmget (kernel.shmmni?)")
+            ids.append(shmid)
+        yield ids
+    finally:
+        for shmid in ids:  # removed now if unattached, else with the last detach
+            _libc.shmctl(shmid, 0, None)
+
+
+def _hold(
+    files: list[str], shmids: list[int], memfds: int, fds: int, ready: int, hold: int
+) -> None:
+    """A holder's body (forked child): see the module's docstring."""
+    keep: list[Any] = []
+    for i in range(memfds):
+        fd = os.memfd_create(f"hostpool.bench.{os.getpid()}.{i}", os.MFD_CLOEXEC)
+        os.ftruncate(fd, PAGE)
+        keep.append(mmap.mmap(fd, PAGE))  # fd + mmap's dup
+        keep[-1][0] = 1
+    for path in files:
+        fd = os.open(path, os.O_RDWR)
+        keep.append(mmap.mmap(fd, PAGE))  # fd + mmap's dup
+    for shmid in shmids:
+        at = _libc.shmat(shmid, None, 0)
+        ctypes.memset(at, 1, 1)
+    anon = mmap.mmap(-1, PAGE, flags=mmap.MAP_SHARED)
+    anon[0] = 1
+    null = os.open(os.devnull, os.O_RDONLY)
+    have = len(os.listdir("/proc/self/fd")) - 1  # the listing's own fd is not ours
+    for _ in range(fds - have):
+        os.dup(null)
+    os.write(ready, b"1")
+    os.read(hold, 1)
+
+
+@contextmanager
+def holders(
+    processes: int, fds: int, files: list[str], shmids: list[int], per_process_files: int
+) -> Iterator[list[int]]:
+    ready_r, ready_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    pids = []
+    try:
+        for i in range(processes):
+            mine = files[i * per_process_files : (i + 1) * per_process_files]
+            attach = shmids[i * 2 : i * 2 + 2]
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    os.close(ready_r)
+                    os.close(hold_w)
+                    _hold(mine, attach, 10, fds, ready_w, hold_r)
+                    code = 0
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        os.close(ready_w)  # a child that dies closes its end: the read below ends
+        ready_w = -1
+        for _ in pids:
+            if os.read(ready_r, 1) != b"1":
+                raise RuntimeError("a holder died before it was ready")
+        yield pids
+    finally:
+        os.close(hold_w)  # each child's read returns: they exit
+        for fd in (ready_r, ready_w, hold_r):
+            if fd >= 0:
+                os.close(fd)
+        for pid in pids:
+            os.waitpid(pid, 0)
+
+
+@contextmanager
+def namespaces(base: str, count: int, files: int) -> Iterator[list[int]]:
+    procs: list[subprocess.Popen[str]] = []
+    os.mkdir(base, 0o700)
+    try:
+        for i in range(count):
+            mnt = f"{base}/ns{i}"
+            os.mkdir(mnt)
+            script = (
+                f'mount -t tmpfs -o size=16m hostpool-bench "$0" && '
+                f'for i in $(seq {files}); do head -c {PAGE} /dev/zero > "$0/f$i"; done && '
+                "echo ready && exec sleep 3600"
+            )
+            proc = subprocess.Popen(
+                ["unshare", "-m", "--propagation", "private", "sh", "-c", script, mnt],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            procs.append(proc)
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield [p.pid for p in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(base)
+
+
+def bare_plan() -> dict[str, Any]:
+    """What the bare read reads beyond every process's files, found once before timing:
+    the namespaces' mountinfo, the tmpfs roots walked, the fd link read per object held
+    only by fds and the map_files stat per object held only by mappings (as the scan
+    does: once per object, in the first process that holds it)."""
+    from hostpool.host import mounts as host_mounts
+    from hostpool.host.scan import pids
+    from hostpool.proc.hostread import HROW_VIA, HostReader, internal_devices
+    from hostpool.proc.procfs import ProcessAccessError, ProcessNotFoundError
+    from hostpool.proc.scan import ROW_ALLOCATED, ROW_FDS
+
+    every = pids()
+    ns = host_mounts.mount_namespaces(every)
+    walked, fstypes = host_mounts.tmpfs_mounts(ns)
+    internal = internal_devices()
+    reader = HostReader({internal.shmem, *internal.hugetlb, *fstypes})
+    first: dict[Any, tuple[int, bytes, bool]] = {}
+    measured: set[Any] = set()
+    for pid in every:
+        try:
+            rows = reader.read(pid).rows
+        except (ProcessNotFoundError, ProcessAccessError):
+            continue
+        for key, row in rows.items():
+            via, is_fd = row[HROW_VIA]
+            first.setdefault(key, (pid, via, bool(is_fd)))
+            if row[ROW_FDS] or row[ROW_ALLOCATED] is not None:
+                measured.add(key)
+    links = [f"/proc/{pid}/fd/{via.decode()}" for pid, via, is_fd in first.values() if is_fd]
+    map_files = [
+        f"/proc/{pid}/map_files/{via.decode()}"
+        for key, (pid, via, is_fd) in first.items()
+        if not is_fd and key not in measured
+    ]
+    return {
+        "mountinfo": [f"/proc/{pid}/mountinfo" for pid in ns.members.values()],
+        "roots": [m.root for m in walked],
+        "links": links,
+        "map_files": map_files,
+    }
+
+
+def bare(plan: dict[str, Any]) -> int:
+    """The same reads, listings and stats as a scan, nothing interpreted (see above)."""
+    done = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        base = f"/proc/{name}"
+        try:
+            os.readlink(f"{base}/ns/mnt")
+            with open(f"{base}/maps", "rb") as f:
+                f.read()
+            with open(f"{base}/comm", "rb") as f:
+                f.read()
+            dir_fd = os.open(f"{base}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            for entry in os.listdir(os.fsencode(f"{base}/fd")):
+                try:
+                    os.stat(entry, dir_fd=dir_fd)
+                    done += 1
+                except OSError:
+                    pass
+        finally:
+            os.close(dir_fd)
+    for path in plan["mountinfo"]:  # (another user's namespace may be gone since)
+        with suppress(OSError), open(path, "rb") as f:
+            f.read()
+    for root in plan["roots"]:
+        with suppress(OSError):
+            os.stat(root)
+            done += _walk(root)
+    for path in ("/proc/sysvipc/shm", "/proc/meminfo"):
+        with open(path, "rb") as f:
+            f.read()
+    for path in plan["links"]:
+        with suppress(OSError):
+            os.readlink(path)
+    for path in plan["map_files"]:
+        with suppress(OSError):
+            os.stat(path)
+    return done
+
+
+def _walk(root: str) -> int:
+    n = 0
+    stack = [os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)]
+    while stack:
+        dir_fd = stack.pop()
+        for entry in list(os.scandir(dir_fd)):
+            st = entry.stat(follow_symlinks=False)
+            n += 1
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=dir_fd))
+            del st
+        os.close(dir_fd)
+    return n
+
+
+def shm_json() -> int:
+    """What `hostpool shm --json` does once imported: the scan, the document encoded."""
+    from hostpool.cli.shm import encode
+
+    return len(encode(scan_host()))
+
+
+def sample(fn: Callable[[], object]) -> dict[str, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
+
+
+def cli_run() -> dict[str, float]:
+    started = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-m", "hostpool", "shm", "--json"], capture_output=True, check=True
+    )
+    wall = time.perf_counter() - started
+    return {"wall_s": wall, "objects": float(len(json.loads(out.stdout)["objects"]))}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from hostpool.metrics.host import HostCollector
+
+    tag = secrets.token_hex(3)
+    held_files = args.processes * args.files_per_process
+    with ExitStack() as stack:
+        files_dir = f"/dev/shm/hostpool-bench-{tag}/"
+        files = stack.enter_context(shm_files(files_dir.rstrip("/"), args.files))
+        shmids = stack.enter_context(segments(args.segments))
+        pids = stack.enter_context(
+            holders(args.processes, args.fds, files, shmids, args.files_per_process)
+        )
+        stack.enter_context(namespaces(f"/tmp/hostpool-bench-{tag}", args.namespaces, 10))
+        collector = HostCollector(scrape_budget=60)
+        plan = bare_plan()
+        view = scan_host()
+        ours = [o for o in view.objects if (o.path or "").startswith(files_dir)]
+        found = {
+            "bench_files": len(ours),
+            "bench_files_orphaned": sum(o.orphan for o in ours),
+            "objects": len(view.objects),
+            "holder_rows": sum(len(o.holders) for o in view.objects),
+            "by_kind": dict(Counter(o.kind for o in view.objects)),
+        }
+        if len(ours) != args.files or found["bench_files_orphaned"] != args.files - held_files:
+            raise RuntimeError(f"the scan saw {found}")
+        sides: dict[str, Callable[[], object]] = {
+            "bare": lambda: bare(plan),
+            "shm": shm_json,
+            "node": collector.collect,
+        }
+        for fn in sides.values():
+            fn()  # warm: dentries, parsed paths
+        samples: dict[str, list[dict[str, float]]] = {s: [] for s in SIDES}
+        ratios: dict[str, list[dict[str, float]]] = {s: [] for s in SIDES[1:]}
+        with other_cpu() as others:
+            for r in range(args.rounds):
+                order = list(SIDES[r % 3 :] + SIDES[: r % 3])
+                got = {side: sample(sides[side]) for side in order}
+                for side in SIDES:
+                    samples[side].append(got[side])
+                for side in SIDES[1:]:
+                    ratios[side].append(
+                        {k: got[side][k] / got["bare"][k] for k in ("wall_s", "cpu_s")}
+                    )
+        cli = cli_run()
+        del pids
+    median = {
+        f"{side}_{k}": statistics.median(s[k] for s in samples[side])
+        for side in SIDES
+        for k in ("wall_s", "cpu_s")
+    }
+    for side in SIDES[1:]:
+        for k in ("wall", "cpu"):
+            median[f"ratio_{side}_{k}"] = statistics.median(r[f"{k}_s"] for r in ratios[side])
+    return {
+        "processes": args.processes,
+        "fds_per_process": args.fds,
+        "files": args.files,
+        "files_held": held_files,
+        "segments": args.segments,
+        "namespaces": args.namespaces,
+        "host_processes": len([p for p in os.listdir("/proc") if p.isdigit()]),
+        "found": found,
+        "samples": samples,
+        "ratios": ratios,
+        "median": median,
+        "cli": cli,
+        "other_cpus": others["other_cpus"],
+        "loadavg": os.getloadavg(),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, default=200)
+    parser.add_argument("--fds", type=int, default=500, help="fds per process")
+    parser.add_argument("--files", type=int, default=5000, help="files in /dev/shm")
+    parser.add_argument("--files-per-process", type=int, default=15)
+    parser.add_argument("--segments", type=int, default=500)
+    parser.add_argument("--namespaces", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        parser.error("run as root (SysV attach, mount namespaces)")
+    if args.processes * args.files_per_process > args.files or args.segments < 2 * args.processes:
+        parser.error("need files >= processes x files-per-process and segments >= 2 x processes")
+    case = run(args)
+    m = case["median"]
+    print(
+        f"shm {m['shm_wall_s']:.3f} s / node {m['node_wall_s']:.3f} s / bare "
+        f"{m['bare_wall_s']:.3f} s wall; ratio (cpu) shm {m['ratio_shm_cpu']:.2f}x, node "
+        f"{m['ratio_node_cpu']:.2f}x; cli {case['cli']['wall_s']:.2f} s; other cpus "
+        f"{case['other_cpus']:.2f}",
+        file=sys.stderr,
+    )
+    write_json(
+        args.output,
+        {
+            "benchmark": "host_scan",
+            "date": utc_now(),
+            "machine": machine_facts(),
+            "targets": {"wall_s": WALL_TARGET_S, "ratio": RATIO_TARGET},
+            "case": case,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
