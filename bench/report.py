@@ -1,8 +1,9 @@
-"""Turn bench/results/*.json into markdown tables, charts and the README's bench sections.
+"""Turn bench/results/*.json into markdown tables, charts and the docs' bench sections.
 
 Each benchmark has a renderer, `RENDERERS[name]`, that reads `bench/results/<name>.json`
-and returns markdown (and writes any charts next to the JSON). The markdown is printed
-and, where README.md has a region `<!-- bench:<name>:start -->` ... `<!-- bench:<name>:end
+and returns markdown (and writes any charts under docs/assets/, inside the MkDocs site).
+The markdown is printed and, where a page (README.md or one under docs/, most of them
+docs/benchmarks.md) has a region `<!-- bench:<name>:start -->` ... `<!-- bench:<name>:end
 -->`, written between the markers. A region may render another file's JSON
 (`report_serve.SOURCES`: the serve summaries). Figures are never typed by hand: rerun the
 benchmark, then this script. A table from a run where other processes used more than
@@ -13,7 +14,7 @@ Adding a benchmark's section:
 
     @renderer("overhead")
     def render_overhead(data: dict[str, Any], ctx: Context) -> str:
-        return "| ... |"   # markdown; write charts under ctx.results_dir
+        return "| ... |"   # markdown; write charts under ctx.charts_dir
 
 No torch import: this runs anywhere the JSON is.
 """
@@ -21,6 +22,8 @@ No torch import: this runs anywhere the JSON is.
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import re
 import statistics
 import sys
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import REPO_ROOT, RESULTS_DIR, format_size, load_verdict, read_json
+from bench.report_host import HOST
 from bench.report_serve import SERVE, SOURCES
 from bench.report_tables import TABLES, machine_line
 
@@ -39,19 +43,34 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
+DOCS_DIR = REPO_ROOT / "docs"
+# Charts go inside the docs site: MkDocs shows only files under docs/.
+CHARTS_DIR = DOCS_DIR / "assets"
+
+
+def default_pages() -> list[Path]:
+    """The pages whose regions the report fills: README.md and every page under docs/."""
+    return [REPO_ROOT / "README.md", *sorted(DOCS_DIR.rglob("*.md"))]
+
+
 @dataclass(frozen=True)
 class Context:
-    """Where a renderer reads and writes, and how to link a chart from the README."""
+    """Where a renderer reads and writes, and how to link a chart from the page showing it."""
 
     results_dir: Path
-    readme: Path | None
+    page: Path | None
     charts: bool
+    charts_dir: Path = CHARTS_DIR
 
     def link(self, path: Path) -> str:
-        """A path for a markdown link from the README (relative to its folder)."""
-        base = self.readme.parent if self.readme is not None else REPO_ROOT
+        """A path for a markdown link from the page (relative to its folder)."""
+        base = self.page.parent if self.page is not None else REPO_ROOT
+        return Path(os.path.relpath(path.resolve(), base.resolve())).as_posix()
+
+    def repo_path(self, path: Path) -> str:
+        """A file's repository path, for a code span (absolute when outside the repo)."""
         try:
-            return path.resolve().relative_to(base.resolve()).as_posix()
+            return path.resolve().relative_to(REPO_ROOT.resolve()).as_posix()
         except ValueError:
             return path.resolve().as_posix()
 
@@ -61,7 +80,7 @@ RENDERERS: dict[str, Renderer] = {}
 
 
 def renderer(name: str) -> Callable[[Renderer], Renderer]:
-    """Register a renderer for bench/results/<name>.json (and README region <name>)."""
+    """Register a renderer for bench/results/<name>.json (and page region <name>)."""
 
     def register(fn: Renderer) -> Renderer:
         RENDERERS[name] = fn
@@ -427,7 +446,7 @@ def render_populate(data: dict[str, Any], ctx: Context) -> str:
     lines += _ceilings(data)
 
     if ctx.charts:
-        chart = ctx.results_dir / "populate.png"
+        chart = ctx.charts_dir / "populate.png"
         try:
             populate_chart(data, chart)
         except ImportError as exc:
@@ -437,7 +456,7 @@ def render_populate(data: dict[str, Any], ctx: Context) -> str:
     lines += [
         "",
         "Raw samples, machine facts and the hugepage reservation are in "
-        f"`{ctx.link(ctx.results_dir / 'populate.json')}`.",
+        f"`{ctx.repo_path(ctx.results_dir / 'populate.json')}`.",
     ]
     return "\n".join(lines)
 
@@ -531,7 +550,7 @@ def render_vllm_offload(data: dict[str, Any], ctx: Context) -> str:
             )
             + ").",
         ]
-    raw = ctx.link(ctx.results_dir / "vllm_offload.json")
+    raw = ctx.repo_path(ctx.results_dir / "vllm_offload.json")
     lines += ["", f"Raw samples and machine facts are in `{raw}`."]
     return "\n".join(lines)
 
@@ -589,6 +608,7 @@ def render_exporter_scale(data: dict[str, Any], ctx: Context) -> str:
 
 RENDERERS.update(TABLES)
 RENDERERS.update(SERVE)
+RENDERERS.update(HOST)
 
 
 def _populate_other_pages(name: str) -> Renderer:
@@ -612,7 +632,7 @@ for _pages in ("natural", "cold"):
 # Driver
 # ---------------------------------------------------------------------------------------
 def replace_region(text: str, name: str, body: str) -> str | None:
-    """README text with the region `name` replaced by body; None when there is no region."""
+    """A page's text with the region `name` replaced by body; None when it has no region."""
     pattern = re.compile(
         rf"(<!-- bench:{re.escape(name)}:start -->)(.*?)(<!-- bench:{re.escape(name)}:end -->)",
         re.DOTALL,
@@ -627,19 +647,24 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md")
-    parser.add_argument("--no-readme", action="store_true", help="print only")
+    parser.add_argument(
+        "--page",
+        type=Path,
+        action="append",
+        help="a page whose regions to fill (repeatable; default README.md and docs/**/*.md)",
+    )
+    parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--no-charts", action="store_true", help="skip the PNGs")
+    parser.add_argument("--charts-dir", type=Path, default=CHARTS_DIR)
     parser.add_argument("--only", action="append", choices=sorted(RENDERERS), help="repeatable")
     parser.add_argument(
         "--strict", action="store_true", help="exit 1 when a table is not from a quiet run"
     )
     args = parser.parse_args()
 
-    readme: Path | None = None if args.no_readme or not args.readme.exists() else args.readme
-    ctx = Context(results_dir=args.results_dir, readme=readme, charts=not args.no_charts)
-    readme_text = readme.read_text() if readme is not None else None
-    updated = readme_text
+    pages = [] if args.no_write else [p for p in args.page or default_pages() if p.exists()]
+    texts = {page: page.read_text() for page in pages}
+    updated = dict(texts)
 
     found = {p.stem for p in sorted(args.results_dir.glob("*.json"))}
     for name in sorted(found - set(RENDERERS)):
@@ -656,20 +681,27 @@ def main() -> int:
             print(f"({path} missing: run {how})", file=sys.stderr)
             continue
         data = read_json(path)
-        body = render(data, ctx)
         verdict = load_verdict(data)
         if verdict is not None:
             noisy.append(name)
-            body = f'<p style="color:red"><b>{verdict[0].upper()}{verdict[1:]}.</b></p>\n\n{body}'
+        # Rendered for each page holding the region (a chart's link is relative to it).
+        holders = [p for p in pages if replace_region(updated[p], name, "") is not None]
+        body = ""
+        for page in holders or [None]:
+            ctx = Context(args.results_dir, page, not args.no_charts, args.charts_dir)
+            body = render(copy.deepcopy(data), ctx)
+            if verdict is not None:
+                body = (
+                    f'<p style="color:red"><b>{verdict[0].upper()}{verdict[1:]}.</b></p>\n\n{body}'
+                )
+            if page is not None:
+                updated[page] = replace_region(updated[page], name, body) or updated[page]
         print(f"## {name}\n\n{body}\n")
         rendered += 1
-        if updated is not None:
-            replaced = replace_region(updated, name, body)
-            if replaced is not None:
-                updated = replaced
-    if readme is not None and updated is not None and updated != readme_text:
-        readme.write_text(updated)
-        print(f"updated {readme}", file=sys.stderr)
+    for page in pages:
+        if updated[page] != texts[page]:
+            page.write_text(updated[page])
+            print(f"updated {page}", file=sys.stderr)
     if noisy:
         print(f"not quiet (marked in red): {', '.join(noisy)}", file=sys.stderr)
         if args.strict:

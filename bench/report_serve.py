@@ -2,9 +2,9 @@
 (serve_probe), SIGTERM to exit (serve_stop), what TLS and basic auth cost a scrape
 (tls_scrape), and probes during a flood of wrong passwords (auth_flood).
 
-`SERVE` maps a README region to its renderer; `SOURCES` names the results file of a
-region that is not its own name (the short summaries in the README's CLI section read
-the same JSON as the full tables under "How it compares"). `bench/report.py` registers
+`SERVE` maps a page region to its renderer; `SOURCES` names the results file of a
+region that is not its own name (the short summaries in docs/cli.md read the same JSON
+as the full tables in docs/benchmarks.md). `bench/report.py` registers
 both. Every figure comes from the JSON; a verdict compares a figure with the target the
 same file records.
 """

@@ -56,7 +56,7 @@ def _render(medians: dict[str, float]) -> str:
         "results": results,
         "targets": [evaluate(t, results) for t in TARGETS],
     }
-    ctx = Context(results_dir=Path("/nonexistent"), readme=None, charts=False)
+    ctx = Context(results_dir=Path("/nonexistent"), page=None, charts=False)
     return render_populate(data, ctx)
 
 
@@ -219,9 +219,7 @@ def test_the_same_work_line_gives_sample_ranges_and_per_pair_ratios() -> None:
         "samples": [*samples, {"variant": "torch_empty_zero", "other_cpus": 0.25}],
         "targets": [evaluate(t, results) for t in TARGETS],
     }
-    text = render_populate(
-        data, Context(results_dir=Path("/nonexistent"), readme=None, charts=False)
-    )
+    text = render_populate(data, Context(results_dir=Path("/nonexistent"), page=None, charts=False))
     assert "0.200-0.250 s (n=2)" in text
     assert "per-pair ratio median 1.05x (0.90-1.10x over 3 pairs)" in text
     assert "outside populate took at most 1.0 ms" in text

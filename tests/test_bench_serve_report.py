@@ -1,11 +1,10 @@
-"""README sections of the serve benchmarks (bench/report_serve.py): every figure and
+"""Docs sections of the serve benchmarks (bench/report_serve.py): every figure and
 verdict comes from the results file, a missed target reads as a failure, and the short
-summaries in the CLI section read the same JSON as the full tables."""
+summaries in the CLI reference (docs/cli.md) read the same JSON as the full tables."""
 
 from __future__ import annotations
 
 import copy
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from bench._common import RESULTS_DIR, load_verdict, read_json, write_json
 from bench.report import RENDERERS, Context, replace_region
 
 ROOT = Path(__file__).resolve().parents[1]
-CTX = Context(results_dir=Path("/nonexistent"), readme=None, charts=False)
+CTX = Context(results_dir=Path("/nonexistent"), page=None, charts=False)
 MACHINE = {"kernel": "6.1.0-test", "cpus": 3, "python": "3.11.0", "torch": "2.0", "sglang": "9"}
 
 
@@ -210,7 +209,7 @@ def test_report_writes_a_summary_region_from_its_source_file(tmp_path: Path) -> 
             str(ROOT / "bench" / "report.py"),
             "--results-dir",
             str(results),
-            "--readme",
+            "--page",
             str(readme),
             "--only",
             "serve_stop-summary",
@@ -227,20 +226,23 @@ def test_report_writes_a_summary_region_from_its_source_file(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("name", sorted(report_serve.SERVE))
-def test_the_readme_shows_what_the_committed_results_say(name: str) -> None:
-    """Each serve region of README.md is what its results file renders to now (rerun
-    bench/report.py after a benchmark)."""
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_show_what_the_committed_results_say(name: str) -> None:
+    """Each serve region (in README.md or a page under docs/) is what its results file
+    renders to now (rerun bench/report.py after a benchmark)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    start = f"<!-- bench:{name}:start -->"
+    holders = [p.read_text() for p in pages if start in p.read_text()]
     data = read_json(RESULTS_DIR / f"{report_serve.SOURCES.get(name, name)}.json")
     body = report_serve.SERVE[name](copy.deepcopy(data), CTX)
-    assert re.search(rf"<!-- bench:{re.escape(name)}:start -->", readme), name
-    assert replace_region(readme, name, body) == readme
+    assert holders, name
+    for text in holders:
+        assert replace_region(text, name, body) == text
 
 
 def _report(results: Path, readme: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(ROOT / "bench" / "report.py"), "--results-dir", str(results),
-         "--readme", str(readme), "--no-charts", "--only", "serve_stop", *extra],
+         "--page", str(readme), "--no-charts", "--only", "serve_stop", *extra],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
 
