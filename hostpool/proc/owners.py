@@ -7,11 +7,14 @@ process's pid. The rule:
 - A name without a pid (sglang's own `sglang_host_pool_<hex>`: pool `-`) claims no
   process's pool: it counts by its name.
 - A name whose pid is the holder's own counts: a process names its own pools.
-- Otherwise the object counts only when the process the name's pid is holds that very
-  object (the same inode; a named anonymous region: the same name), by an fd or a
-  mapping, as this scan reads it. Every other holder of it then counts too, whatever its
-  uid: a share client that attached it (the server handed it over; a read-only share is
-  a reopening of the same inode), a worker forked with it.
+- Otherwise the object counts only when the process whose pid the name carries (its
+  owner) holds that very object (the same inode; a named anonymous region: the same
+  name), by an fd or a mapping, as this scan reads it. Every other holder of it then
+  counts too, whatever its uid: a share client that attached it (the server handed it
+  over; a read-only share is a reopening of the same inode), a worker forked with it.
+- An owner this process may not read (an exporter without the right to read another
+  user's processes) cannot be checked: its name counts for holders of the owner's uid
+  (who could read and forge in the owner itself), not for holders of another uid.
 
 Otherwise the object is ignored (not in any pool's sums, and its holder does not count
 as a process holding the pool, unless it holds objects that count), for one reason:
@@ -65,7 +68,7 @@ class Owners:
         deadline: float | None = None,
     ) -> None:
         self.matcher, self.deadline = matcher, deadline
-        self.read_pids, self.unreadable = read_pids, unreadable
+        self.read_pids, self.unreadable = read_pids, frozenset(unreadable)
         self._owners: dict[int, Holdings | str] = {h.pid: h for h in read}
         self._uids: dict[int, int | None] = {}
         self.extra: list[Holdings] = []  # the owners read here, besides the scan
