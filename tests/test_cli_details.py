@@ -73,6 +73,7 @@ def test_exporter_pid_twice_is_a_usage_error() -> None:
         (["--pool", "kv=abc"], "--pool kv=SIZE", "pools.kv.size"),
         (["--port", "99999"], "--port", "server.port"),
         (["--budget", "1MiB", "--host-budget", "2MiB"], "--budget and --host-budget", "server."),
+        (["--budget", "1MiB", "--pool", "kv=2MiB"], "more than --budget 1MiB", "server."),
     ],
 )
 def test_serve_errors_name_the_flag_not_the_config_key(

@@ -247,6 +247,7 @@ COMMAND = Subcommand(
     description=__doc__.splitlines()[0] if __doc__ else None,
     add_arguments=add_arguments,
     run=run,
-    epilog="exit status: 0 ok; 1 the process may not be read, it exited while watched, or "
-    "--check found something; 2 no such process, or a bad flag",
+    epilog="exit status: 0 ok; 1 the input is right but this host cannot do it now (the "
+    "process may not be read, it exited while watched, --check found something); 2 the "
+    "input is wrong (no such process, a bad flag)",
 )

@@ -198,7 +198,8 @@ COMMAND = Subcommand(
     add_arguments=add_arguments,
     run=run,
     raw_description=True,
-    epilog="exit status: CMD's own once it runs; before that 2 (no CMD, an unknown --only "
-    "name, CMD not found or not executable) or 1 (its interpreter lacks the hook, any other "
-    "failure)",
+    epilog="exit status: 0 ok (once CMD runs, the status is CMD's own); 1 the input is right "
+    "but this host cannot do it now (CMD's interpreter lacks the hostpool hook, any other "
+    "failure to start it); 2 the input is wrong (no CMD, an unknown --only name, CMD not "
+    "found or not executable)",
 )

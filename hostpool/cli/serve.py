@@ -110,7 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def build_config(args: argparse.Namespace) -> serve_config.ServeConfig:
+def build_config(args: argparse.Namespace) -> tuple[serve_config.ServeConfig, dict[str, str]]:
+    """The configuration, and which flag set each config key (`server.port` -> `--port`)
+    so that errors name what the operator typed."""
     data: dict[str, Any] = {"server": {}}
     if args.config:
         from hostpool.base.config import load_file
@@ -158,7 +160,7 @@ def build_config(args: argparse.Namespace) -> serve_config.ServeConfig:
         if args.hugepages:
             flags[f"pools.{name}.hugepages"] = "--hugepages"
     try:
-        return serve_config.from_mapping(data, os.path.dirname(args.config or ""))
+        return serve_config.from_mapping(data, os.path.dirname(args.config or "")), flags
     except ConfigError as exc:
         raise ConfigError(serve_config.attributed(str(exc), flags, args.config)) from None
 
@@ -194,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.no_port_check and not args.check:
         raise ConfigError("--no-port-check goes with --check (serve itself needs the port)")
-    cfg = build_config(args)
+    cfg, flags = build_config(args)
     skip_addresses = args.check and args.no_port_check
     try:
         preflight.check(cfg)
@@ -202,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
         # the last thing preflight checks: everything before it passed
         if not skip_addresses:
             raise ShareSocketInUseError(_beside(exc, args.check)) from None
+    except ConfigError as exc:  # pools over --budget: named as the flag that set it
+        raise ConfigError(serve_config.attributed(str(exc), flags, None)) from None
     # Errors go to main(): one line, exit 1 (this host, now) or 2 (the input), by type.
     if args.check:
         from hostpool.base.units import format_size
