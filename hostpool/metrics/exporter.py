@@ -210,7 +210,9 @@ class ProcfsCollector(Collector):
             found.attribute(holdings, ignored)
             self._matcher.next_scan([holdings, *found.extra], more=found.paths)
             in_time = time.monotonic() <= deadline
-            complete = scan.fill_residency(holdings, self._matcher, {}, smaps=in_time)
+            # an object mapped without an fd here: the pages its owner's fd measured
+            pages = procgroup.measured_pages(found.extra)
+            complete = scan.fill_residency(holdings, self._matcher, pages, smaps=in_time)
             complete = complete and holdings.complete
             totals = [procgroup.holdings_totals(holdings)]
             return totals, owners.ignored_counts(ignored), True, not complete

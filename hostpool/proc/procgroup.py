@@ -258,7 +258,7 @@ def holdings_totals(holdings: Holdings) -> dict[tuple[str, str], PoolTotals]:
     return out
 
 
-def _measured_pages(read: Iterable[Holdings]) -> dict[Key, int]:
+def measured_pages(read: Iterable[Holdings]) -> dict[Key, int]:
     """Each object's pages, as an fd in some process measured them."""
     return {
         key: row[ROW_ALLOCATED]
@@ -317,7 +317,7 @@ def scan_totals(matcher: Matcher, *, deadline: float | None = None) -> TotalsSca
     result.ignored = ignored_counts(ignored)
     matcher.next_scan([*read, *owners.extra], complete=not result.truncated, more=owners.paths)
     read = [holdings for holdings in read if holdings.rows or holdings.unmapped_fds]
-    pages = _measured_pages(read) if any(bulkread.unmeasured(h.rows) for h in read) else {}
+    pages = measured_pages(read) if any(bulkread.unmeasured(h.rows) for h in read) else {}
     for holdings in read:
         # past the budget, no smaps reads: what the scan measured, marked partial
         in_time = deadline is None or time.monotonic() <= deadline

@@ -195,9 +195,11 @@ def test_pid_mode_checks_the_owner_too(serve: Serve, who: str) -> None:
         assert ignored(samples, "hostpool.")["not_held_by_owner"] == 1  # --pid: every prefix
     else:  # the serve's own object, held by its worker (mapping) or its receiver (fd)
         labels = {"prefix": "hostpool.", "pool": serve.pool}
-        assert value(samples, "hostpool_exporter_mapped_bytes", **labels) == (
-            MiB if who == "worker" else 0  # the receiver holds an fd, maps nothing
-        )
+        # the worker's mapping holds the object's pages, as its owner's fd measured them
+        # (it never touched them itself); the receiver holds an fd and maps nothing
+        for name in ("mapped_bytes", "resident_bytes"):
+            got = value(samples, f"hostpool_exporter_{name}", **labels)
+            assert got == (MiB if who == "worker" else 0)
         assert fds == {serve.pool: 0 if who == "worker" else 1}
         assert sum(ignored(samples, "hostpool.").values()) == 0
 
