@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -153,3 +154,37 @@ def test_the_exporter_agrees_with_inspect(agreeing: subprocess.Popen[str]) -> No
         assert value(samples, "hostpool_exporter_mappings", **labels) == p["mappings"]
         assert value(samples, "hostpool_exporter_mapped_bytes", **labels) == p["mapped_bytes"]
         assert value(samples, "hostpool_exporter_resident_bytes", **labels) == p["mapped_bytes"]
+
+
+def test_a_cgroup_named_with_line_breaks_is_read_as_one_line(root: None) -> None:
+    """/proc/self/cgroup writes a cgroup's name as it is: a process in a cgroup named
+    with `\\x0b`, `\\x85` or `\\r` (a delegated cgroup's owner picks its name) reads its
+    own limit, where splitlines() once made a line of the name's tail and failed."""
+    own = None
+    with open("/proc/self/cgroup", "rb") as f:
+        for line in f.read().decode().split("\n"):
+            if line and "memory" in line.split(":", 2)[1].split(","):
+                own = line.split(":", 2)[2]
+    base = f"/sys/fs/cgroup/memory{own}" if own is not None else None
+    if base is None or not os.path.isdir(base):
+        pytest.skip("no cgroup v1 memory controller here")
+    group = os.path.join(base, f"hostpool-t{os.getpid()}\x0bx:y\x85z\rw")
+    os.mkdir(group)
+    try:
+        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(512 << 20))
+        procs = os.path.join(group, "cgroup.procs")
+        code = (
+            "import os\n"
+            "from hostpool.memory import cgroup\n"
+            f"open({procs!r}, 'w').write(str(os.getpid()))\n"
+            "limit = cgroup.memory_limit()\n"
+            "print(limit.limit if limit else None)\n"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stderr
+        assert int(result.stdout) <= 512 << 20
+    finally:
+        os.rmdir(group)
