@@ -112,6 +112,16 @@ def test_odd_files_are_skipped_and_counted(directory: Path, children: Any) -> No
     assert len(os.listdir(directory)) == 6
 
 
+def test_files_of_dead_workers_go_with_their_temporary_files(directory: Path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=waiting.DEADLINE)  # reaped: its pid no longer exists
+    for name in (f"{gone.pid}.json", f"{gone.pid}.140213.tmp"):
+        (directory / name).write_text("{}")
+    (directory / f"{os.getpid()}.140213.tmp").write_text("{}")  # a live writer's: kept
+    assert metrics_route.prune_dead(directory) == [gone.pid]
+    assert os.listdir(directory) == [f"{os.getpid()}.140213.tmp"]
+
+
 def test_a_file_of_another_uid_is_skipped(directory: Path, children: Any) -> None:
     worker = children()
     path = directory / f"{worker.pid}.json"

@@ -48,6 +48,7 @@ MAX_FILE_BYTES = 1 << 20
 SKIP_REASONS = ("name", "not_regular", "owner", "too_large", "malformed", "stale_pid")
 SKIPPED_METRIC = "hostpool_vllm_route_skipped_files"
 _PID_NAME = re.compile(r"([1-9][0-9]*)\.json")  # [0-9] is ASCII only, unlike str.isdigit
+_TMP_NAME = re.compile(r"([1-9][0-9]*)\.[0-9]+\.tmp")  # a publish cut short by a SIGKILL
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
 Rows = dict[tuple[str, ...], Any]
@@ -239,8 +240,9 @@ def metrics_dir(extra_config: Mapping[str, Any] | None = None) -> Path:
 
 def prune_dead(directory: Path, skips: SkipCounts | None = None) -> list[int]:
     """Remove the files of workers that no longer exist (a SIGKILLed worker, e.g. under
-    vLLM's default `--shutdown-timeout 0`, never removes its own). A file whose pid is
-    alive is left alone, whoever that process is. Returns the pids removed."""
+    vLLM's default `--shutdown-timeout 0`, never removes its own; nor a publish's
+    temporary file it was writing). A file whose pid is alive is left alone, whoever that
+    process is. Returns the pids whose `<pid>.json` was removed."""
     removed: list[int] = []
     try:
         names = os.listdir(directory)
@@ -248,13 +250,16 @@ def prune_dead(directory: Path, skips: SkipCounts | None = None) -> list[int]:
         return removed
     for name in names:
         pid = pid_of(name)
-        if pid is None:
+        tmp = _TMP_NAME.fullmatch(name)
+        writer = pid if pid is not None else int(tmp.group(1)) if tmp is not None else None
+        if writer is None:
             if name.endswith(".json") and skips is not None:
                 skips.count(Skipped("name", "not a pid"), str(directory / name))
             continue
-        if psutil.pid_exists(pid):
+        if psutil.pid_exists(writer):
             continue
         with contextlib.suppress(OSError):  # gone meanwhile, or not a file to unlink
             os.unlink(directory / name)
-            removed.append(pid)
+            if pid is not None:
+                removed.append(pid)
     return removed
