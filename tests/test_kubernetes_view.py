@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
@@ -120,3 +121,45 @@ def test_the_daemonset_sees_what_root_sees_and_needs_both_capabilities() -> None
         assert seen[f"without {dropped}"] != root["aggregate"], dropped
     assert seen["non-root"] != root["aggregate"]
     assert seen["ambient"] == root["aggregate"]
+
+
+STARTS_CLEAN = """
+set -e
+mount -t tmpfs -o size=16m tmpfs /dev/shm
+plant() {{ head -c 65536 /dev/zero > "/dev/shm/$1"; }}
+plant vllm_offload_crashed.mmap     # a crashed run's offload file
+plant notes_of_someone_else         # no engine's name: never reaped by default
+{init} > /dev/null                  # the init container
+ls /dev/shm
+echo --
+plant vllm_offload_crashed_again.mmap  # the engine container crashed in place
+{engine}
+"""
+
+
+def test_the_vllm_example_starts_clean() -> None:
+    """The example's own commands, in a pod-like mount namespace with its own tmpfs
+    /dev/shm (and PID namespace, so nothing else on this host is looked at): the init
+    container removes the crashed run's offload file, and the engine's `hostpool run
+    --reap` the one a crash in place left, before the engine starts."""
+    (deployment,) = by_kind(render(KUBE / "examples" / "vllm"), "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    (engine,) = pod["containers"]
+    dash = engine["command"].index("--")
+    # the engine itself replaced by a look at /dev/shm as it starts
+    run = [*engine["command"][: dash + 1], "ls", "/dev/shm"]
+    hostpool = [sys.executable, "-m", "hostpool"]  # the image's `hostpool`
+    script = STARTS_CLEAN.format(
+        init=shlex.join([*hostpool, *init["command"][1:]]),
+        engine=shlex.join([*hostpool, *run[1:]]),
+    )
+    proc = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount", "--mount-proc", "--propagation", "private",
+         "sh", "-c", script],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after_init, after_restart = proc.stdout.split("--\n")
+    assert after_init.split() == ["notes_of_someone_else"]
+    assert after_restart.split() == ["notes_of_someone_else"]
