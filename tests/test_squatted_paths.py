@@ -101,8 +101,18 @@ def test_budget_directory_of_another_uid_is_refused(open_dir: Path) -> None:
     open_dir.chmod(0o1777)
     squatted = open_dir / "hostpool-budget"
     as_nobody("mkdir", "-m", "0777", str(squatted))  # made first, by someone else
-    with pytest.raises(ConfigError, match=f"belongs to uid {NOBODY}.*--budget-dir"):
+    with pytest.raises(ConfigError, match=f"belongs to uid {NOBODY}.*server.budget_dir"):
         HostBudget(64 * MiB, squatted)
+    # serve --check finds it, and serve refuses it before allocating: one line, exit 2
+    for check in (["--check"], []):
+        done = subprocess.run(
+            [sys.executable, "-m", "hostpool", "serve", *check, "--port", "0",
+             "--pool", "kv=1MiB", "--host-budget", "64MiB", "--budget-dir", str(squatted)],
+            cwd=ROOT, capture_output=True, text=True, timeout=waiting.DEADLINE, check=False,
+        )  # fmt: skip
+        assert done.returncode == 2, (check, done.stdout, done.stderr)
+        assert done.stderr.count("\n") == 1 and f"uid {NOBODY}" in done.stderr, done.stderr
+        assert "--budget-dir" in done.stderr, done.stderr
 
 
 def test_budget_directory_writable_by_others_needs_the_sticky_bit(tmp_path: Path) -> None:

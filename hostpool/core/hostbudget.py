@@ -47,7 +47,7 @@ SUFFIX = ".resv"
 LOCK_TIMEOUT_S = 10.0
 # What a scrape (`reserved_bytes`) or a trim (`settle`) waits before giving up quietly.
 READ_TIMEOUT_S = 0.5
-_HINT = "use a directory of this user (--budget-dir, server.budget_dir), or a missing one"
+_HINT = "use a directory of this user (server.budget_dir), or a missing one"
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -278,6 +278,19 @@ class HostBudget:
         os.pwrite(state.fd, data, 0)
         os.ftruncate(state.fd, len(data))
         state.reserved = value
+
+
+def check_directory(directory: str | os.PathLike[str]) -> None:
+    """ConfigError where HostBudget would refuse `directory` (it exists and is another
+    user's, or writable by others without the sticky bit); creates nothing (for
+    `serve --check`)."""
+    path = os.fspath(directory)
+    try:
+        os.close(shareddir.open_directory(path, what="host budget directory", hint=_HINT))
+    except FileNotFoundError:
+        return  # made private when the budget starts
+    except OSError as exc:
+        raise ConfigError(f"host budget directory {path}: {exc.strerror}") from exc
 
 
 def _read_reservation(fd: int) -> int:

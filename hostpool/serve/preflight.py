@@ -29,6 +29,7 @@ import os
 import resource
 
 from hostpool.base.units import format_size
+from hostpool.core import hostbudget
 from hostpool.core.budget import Admission
 from hostpool.errors import (
     AllocationError,
@@ -113,6 +114,8 @@ def check(cfg: ServeConfig) -> None:
             raise ConfigError(
                 f"pools need {format_size(total)} ({every}), more than {key} {format_size(limit)}"
             )
+    if cfg.host_budget is not None:  # its directory, as the budget will check it
+        hostbudget.check_directory(cfg.budget_dir)
     huge: dict[int, list[PoolSpec]] = {}
     normal: list[PoolSpec] = []
     for spec in cfg.pools:
