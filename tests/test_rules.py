@@ -23,7 +23,7 @@ ALERTS = METRICS / "alerts.yml"
 RECORDING = METRICS / "recording.yml"
 CONFIG = METRICS / "prometheus.yml"
 UNIT_TESTS = sorted((METRICS / "tests").glob("*.yml"))
-RUNBOOK_BASE = "file:///opt/hostpool/README.md#"
+RUNBOOK_BASE = "file:///opt/hostpool/docs/runbook.md#"
 SEVERITIES = {"critical", "warning", "info"}
 RECORD_NAME = re.compile(r"[a-z][a-z0-9_]*:[a-z][a-z0-9_]*:[a-z0-9_]+")
 
@@ -264,16 +264,12 @@ def github_anchor(heading: str) -> str:
 
 
 def runbook_headings() -> tuple[Path, list[str]]:
-    """The `###` headings of the `## Runbook` section, from README.md if it has one."""
-    for name in ("README.md", "README_dashboards_section.md"):
-        path = ROOT / name
-        if not path.is_file():
-            continue
-        text = path.read_text(encoding="utf-8")
-        m = re.search(r"^## Runbook[ \t]*\n(.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
-        if m:
-            return path, re.findall(r"^### (.+?)\s*$", m.group(1), re.MULTILINE)
-    pytest.fail("neither README.md nor README_dashboards_section.md has a `## Runbook` section")
+    """The `##` headings of the runbook page (docs/runbook.md, titled `# Runbook`)."""
+    path = ROOT / "docs" / "runbook.md"
+    text = path.read_text(encoding="utf-8")
+    if not re.match(r"# Runbook[ \t]*\n", text):
+        pytest.fail(f"{path} is not the runbook page (no `# Runbook` title)")
+    return path, re.findall(r"^## (.+?)\s*$", text, re.MULTILINE)
 
 
 def test_runbook_has_a_section_per_alert() -> None:

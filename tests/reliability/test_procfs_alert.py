@@ -25,7 +25,7 @@ mm = mmap.mmap(fd, 1 << 20)
 print("ready", flush=True)
 sys.stdin.read()
 """
-RUNBOOK = "file:///opt/hostpool/README.md#"
+RUNBOOK = "file:///opt/hostpool/docs/runbook.md#"
 SUMMARY = "The process a hostpool exporter watches has exited."
 MINUTES = 15  # each phase, longer than either alert's `for:`
 
