@@ -1,11 +1,13 @@
 """`hostpool shm --json` and `hostpool exporter --node` at scale, next to the bare cost of
 the same /proc reads, directory listings and stat calls.
 
-The host of issue 33: 200 processes with 500 fds each (each holds 10 memfds of its own,
-15 of the /dev/shm files, 2 SysV segments and a shared anonymous page; the rest of its
-fds are /dev/null: an engine's sockets, pipes and logs), 5,000 files in /dev/shm (3,000
-held, 2,000 orphans), 500 SysV segments (400 attached), 20 private mount namespaces
-(`unshare -m`, each a sleeping process with a tmpfs of 10 files). One page per object.
+Case `host`, the host of issue 33: 200 processes with 500 fds each (each holds 10 memfds
+of its own, 15 of the /dev/shm files, 2 SysV segments and a shared anonymous page; the
+rest of its fds are /dev/null: an engine's sockets, pipes and logs), 5,000 files in
+/dev/shm (3,000 held, 2,000 orphans), 500 SysV segments (400 attached), 20 private mount
+namespaces (`unshare -m`, each a sleeping process with a tmpfs of 10 files). Case
+`memfds`: where a scan does the most per fd read, every fd an object (10 processes x
+2,000 mapped memfds, an fd and mmap's dup each). One page per object.
 
 Per round, in rotating order (each side in each place equally often), all in this
 process:
@@ -120,7 +122,12 @@ def _hold(
 
 @contextmanager
 def holders(
-    processes: int, fds: int, files: list[str], shmids: list[int], per_process_files: int
+    processes: int,
+    fds: int,
+    files: list[str],
+    shmids: list[int],
+    per_process_files: int,
+    memfds: int,
 ) -> Iterator[list[int]]:
     ready_r, ready_w = os.pipe()
     hold_r, hold_w = os.pipe()
@@ -135,7 +142,7 @@ def holders(
                 try:
                     os.close(ready_r)
                     os.close(hold_w)
-                    _hold(mine, attach, 10, fds, ready_w, hold_r)
+                    _hold(mine, attach, memfds, fds, ready_w, hold_r)
                     code = 0
                 finally:
                     os._exit(code)
@@ -287,9 +294,9 @@ def _walk(root: str) -> int:
 
 def shm_json() -> int:
     """What `hostpool shm --json` does once imported: the scan, the document encoded."""
-    from hostpool.cli.shm import encode
+    from hostpool.cli.shm import encode, scan
 
-    return len(encode(scan_host()))
+    return len(encode(scan()))
 
 
 def sample(fn: Callable[[], object]) -> dict[str, float]:
@@ -317,7 +324,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         files = stack.enter_context(shm_files(files_dir.rstrip("/"), args.files))
         shmids = stack.enter_context(segments(args.segments))
         pids = stack.enter_context(
-            holders(args.processes, args.fds, files, shmids, args.files_per_process)
+            holders(args.processes, args.fds, files, shmids, args.files_per_process, args.memfds)
         )
         stack.enter_context(namespaces(f"/tmp/hostpool-bench-{tag}", args.namespaces, 10))
         collector = HostCollector(scrape_budget=60)
@@ -364,6 +371,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             median[f"ratio_{side}_{k}"] = statistics.median(r[f"{k}_s"] for r in ratios[side])
     return {
         "processes": args.processes,
+        "memfds_per_process": args.memfds,
         "fds_per_process": args.fds,
         "files": args.files,
         "files_held": held_files,
@@ -380,30 +388,54 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# the issue's host, and the shape where a scan does the most per fd: every fd an object
+# (10 processes x 2,000 mapped memfds, each held by its fd and mmap's dup)
+CASES: dict[str, dict[str, int]] = {
+    "host": {
+        "processes": 200,
+        "memfds": 10,
+        "fds": 500,
+        "files": 5000,
+        "files_per_process": 15,
+        "segments": 500,
+        "namespaces": 20,
+    },
+    "memfds": {
+        "processes": 10,
+        "memfds": 2000,
+        "fds": 0,
+        "files": 0,
+        "files_per_process": 0,
+        "segments": 20,
+        "namespaces": 0,
+    },
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--processes", type=int, default=200)
-    parser.add_argument("--fds", type=int, default=500, help="fds per process")
-    parser.add_argument("--files", type=int, default=5000, help="files in /dev/shm")
-    parser.add_argument("--files-per-process", type=int, default=15)
-    parser.add_argument("--segments", type=int, default=500)
-    parser.add_argument("--namespaces", type=int, default=20)
+    parser.add_argument("--case", action="append", choices=sorted(CASES), help="repeatable")
+    parser.add_argument("--scale", type=float, default=1.0, help="counts x this (a quick try)")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     if os.geteuid() != 0:
         parser.error("run as root (SysV attach, mount namespaces)")
-    if args.processes * args.files_per_process > args.files or args.segments < 2 * args.processes:
-        parser.error("need files >= processes x files-per-process and segments >= 2 x processes")
-    case = run(args)
-    m = case["median"]
-    print(
-        f"shm {m['shm_wall_s']:.3f} s / node {m['node_wall_s']:.3f} s / bare "
-        f"{m['bare_wall_s']:.3f} s wall; ratio (cpu) shm {m['ratio_shm_cpu']:.2f}x, node "
-        f"{m['ratio_node_cpu']:.2f}x; cli {case['cli']['wall_s']:.2f} s; other cpus "
-        f"{case['other_cpus']:.2f}",
-        file=sys.stderr,
-    )
+    cases = {}
+    for name in args.case or list(CASES):
+        shape = {k: max(1, int(v * args.scale)) if v else 0 for k, v in CASES[name].items()}
+        shape["files_per_process"] = CASES[name]["files_per_process"]
+        shape["segments"] = max(shape["segments"], 2 * shape["processes"])
+        case = run(argparse.Namespace(rounds=args.rounds, **shape))
+        m = case["median"]
+        print(
+            f"{name}: shm {m['shm_wall_s']:.3f} s / node {m['node_wall_s']:.3f} s / bare "
+            f"{m['bare_wall_s']:.3f} s wall; ratio (cpu) shm {m['ratio_shm_cpu']:.2f}x, node "
+            f"{m['ratio_node_cpu']:.2f}x; cli {case['cli']['wall_s']:.2f} s; other cpus "
+            f"{case['other_cpus']:.2f}",
+            file=sys.stderr,
+        )
+        cases[name] = case
     write_json(
         args.output,
         {
@@ -411,7 +443,7 @@ def main() -> int:
             "date": utc_now(),
             "machine": machine_facts(),
             "targets": {"wall_s": WALL_TARGET_S, "ratio": RATIO_TARGET},
-            "case": case,
+            "cases": cases,
         },
     )
     return 0

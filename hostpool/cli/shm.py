@@ -39,15 +39,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hostpool.host.scan import scan_host  # lazy: `hostpool --help` reads no /proc
-
-    view = scan_host()
+    view = scan()
     objects = select(view.objects, engines=args.engine, orphans=args.orphans)
     if args.json:
         sys.stdout.buffer.write(encode(view, objects) + b"\n")
     else:
         render(view, objects, sys.stdout)
     return 0
+
+
+def scan() -> HostView:
+    """One scan of the host, with the cyclic garbage collector paused: it allocates an
+    object or more per object and holder and makes no cycles (its passes found nothing
+    and cost a quarter of a 20,000-object scan)."""
+    from hostpool.host.scan import scan_host  # lazy: `hostpool --help` reads no /proc
+    from hostpool.metrics.flight import gc_paused
+
+    with gc_paused():
+        return scan_host()
 
 
 def encode(view: HostView, objects: Iterable[HostObject] | None = None) -> bytes:
