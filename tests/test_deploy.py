@@ -1,6 +1,6 @@
-"""deploy/ and the README's operator commands (issue 18, point 9): the Grafana
+"""deploy/ and the operator commands of docs/operations.md (issue 18, point 9): the Grafana
 provisioning, the systemd unit and the example config agree with the repository, and
-the README's Prometheus command keeps its data local and its port on loopback."""
+the page's Prometheus command keeps its data local and its port on loopback."""
 
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ from tests import waiting
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+OPERATIONS = (ROOT / "docs" / "operations.md").read_text()
 DEPLOY = ROOT / "deploy"
 UNIT = DEPLOY / "systemd" / "hostpool-serve.service"
 
 
 def _installs() -> dict[str, str]:
-    """The README's `install -D -m MODE SRC DST` lines: SRC -> DST."""
-    return dict(re.findall(r"install -D -m \d+ (\S+) (\S+)", README))
+    """The operations page's `install -D -m MODE SRC DST` lines: SRC -> DST."""
+    return dict(re.findall(r"install -D -m \d+ (\S+) (\S+)", OPERATIONS))
 
 
 def _dashboard() -> dict[str, object]:
@@ -57,10 +58,10 @@ def test_grafana_provisioning_matches_the_dashboard() -> None:
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}  # type: ignore[index]
     # The dashboard picks its data source by type: the provisioned one must be that type.
     assert source["type"] == variables["datasource"]["query"] == "prometheus"
-    # ...and where the README's Prometheus listens.
+    # ...and where the operations page's Prometheus listens.
     listen = re.search(r"--web.listen-address=(\S+)", _prometheus_command()).group(1)  # type: ignore[union-attr]
     assert source["url"] == f"http://{listen}"
-    # The provider loads the directory the README installs dashboards/hostpool.json into.
+    # The provider loads the directory the operations page installs dashboards/hostpool.json into.
     dest = Path(_installs()["dashboards/hostpool.json"])
     assert provider["type"] == "file" and provider["options"]["path"] == str(dest.parent)
     assert dashboard["uid"] == "hostpool-overview"
@@ -80,8 +81,8 @@ def test_systemd_unit_uses_the_installed_config_and_retries_only_what_can_pass()
     text = UNIT.read_text()
     binary, config = _unit_paths()
     assert _installs()["deploy/hostpool/serve.toml"] == config
-    # the README's "Running as a service" makes the venv the unit runs
-    assert f"python3 -m venv {Path(binary).parents[1]}\n" in README
+    # the operations page's "Running as a service" makes the venv the unit runs
+    assert f"python3 -m venv {Path(binary).parents[1]}\n" in OPERATIONS
     assert _installs()[f"deploy/systemd/{UNIT.name}"] == f"/etc/systemd/system/{UNIT.name}"
     # serve checks before it allocates; an ExecStartPre check would escape
     # RestartPreventExitStatus (it applies to the main process only): a wrong config retried
@@ -126,7 +127,7 @@ def test_example_config_passes_serve_check() -> None:
 
 
 def _prometheus_command() -> str:
-    commands = re.findall(r"^prometheus --config.file=\S+.*$", README, re.M)
+    commands = re.findall(r"^prometheus --config.file=\S+.*$", OPERATIONS, re.M)
     assert len(commands) == 1, commands
     return str(commands[0])
 
@@ -140,7 +141,7 @@ def test_readme_prometheus_command_is_local_and_loopback() -> None:
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed")
 def test_readme_prometheus_command_runs(tmp_path: Path) -> None:
-    """The README's command, from a copy of the repository's metrics/ (another port)."""
+    """The operations page's command, from a copy of the repository's metrics/ (another port)."""
     shutil.copytree(ROOT / "metrics", tmp_path / "metrics")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

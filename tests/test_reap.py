@@ -586,8 +586,8 @@ def test_the_systemd_drop_in_runs_a_reap_that_parses() -> None:
     args = build_parser().parse_args(command[1:])
     assert (args.command, args.yes, args.min_age, args.engine) == ("reap", True, 0.0, ["vllm"])
     assert [reap.reap_dir(d).path for d in args.dir] == ["/dev/shm"]
-    readme = (ROOT / "README.md").read_text()
-    assert str(DROP_IN.relative_to(ROOT)) in readme
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    assert str(DROP_IN.relative_to(ROOT)) in operations
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
