@@ -284,8 +284,8 @@ def test_containerfile_builds_from_the_wheel_and_runs_hostpool() -> None:
     assert re.search(r"pip install --no-cache-dir --no-deps /tmp/wheels/hostpool-\*\.whl", text)
     assert 'not r.startswith("torch")' in text and "-c /tmp/installed.txt" in text
     assert re.search(r'^ENTRYPOINT \["hostpool"\]', text, re.M)
-    readme = (ROOT / "README.md").read_text()
-    assert "Containerfile" in readme and "not built in CI" in readme
+    page = (ROOT / "docs" / "kubernetes.md").read_text()
+    assert "Containerfile" in page and "not built in CI" in page
 
 
 # ---------------------------------------------------------------- hostpool's flags and paths
