@@ -265,3 +265,35 @@ def test_json_keeps_a_name_that_is_not_utf8(root: None) -> None:
         assert "\\udcff" in out.stdout
     finally:
         os.unlink(path)
+
+
+def test_a_past_deadline_gives_a_partial_view(root: None) -> None:
+    """A deadline already passed: no process is read, the view says it is incomplete
+    and still lists the files (and their totals close)."""
+    import time
+
+    view = scan_host(deadline=time.monotonic() - 1)
+    assert not view.complete
+    assert all(o.holders == () for o in view.objects)
+    t = view.totals
+    assert t.attributed_bytes == sum(o.resident_bytes for o in view.objects if not o.hugetlb)
+    assert scan_host().complete
+
+
+def test_the_shmem_device_without_memfd_create(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a seccomp profile refuses memfd_create, a shared anonymous page of ours
+    shows the same device in maps."""
+    from hostpool.proc import hostread
+
+    expected = hostread.internal_devices().shmem
+
+    def refused(*args: object) -> int:
+        raise PermissionError(1, "memfd_create refused")
+
+    hostread.internal_devices.cache_clear()
+    monkeypatch.setattr(hostread.os, "memfd_create", refused)
+    try:
+        got = hostread.internal_devices()
+        assert got.shmem == expected and got.hugetlb == frozenset()
+    finally:
+        hostread.internal_devices.cache_clear()

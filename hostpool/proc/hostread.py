@@ -53,11 +53,15 @@ class InternalDevices:
 def internal_devices() -> InternalDevices:
     """Found by making (and closing at once) an empty memfd of each kind: the kernel
     names no other way to them. Fixed for the boot: asked once."""
-    fd = os.memfd_create("hostpool-probe", _MFD_CLOEXEC)
     try:
-        shmem = os.fstat(fd).st_dev
-    finally:
-        os.close(fd)
+        fd = os.memfd_create("hostpool-probe", _MFD_CLOEXEC)
+    except OSError:  # memfd_create refused (a seccomp profile): shared anonymous memory
+        shmem = _shmem_device_of_a_shared_mapping()
+    else:
+        try:
+            shmem = os.fstat(fd).st_dev
+        finally:
+            os.close(fd)
     hugetlb = set()
     try:
         sizes = os.listdir(_HUGEPAGES)
@@ -77,6 +81,23 @@ def internal_devices() -> InternalDevices:
         finally:
             os.close(fd)
     return InternalDevices(shmem, frozenset(hugetlb))
+
+
+def _shmem_device_of_a_shared_mapping() -> int:
+    """The shmem device as maps shows it for a MAP_SHARED|MAP_ANONYMOUS page of ours."""
+    import ctypes
+    import mmap
+
+    with mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_SHARED) as m:
+        buf = (ctypes.c_char * 1).from_buffer(m)
+        start = b"%x-" % ctypes.addressof(buf)
+        del buf
+        with open("/proc/self/maps", "rb") as f:
+            for line in f.read().split(b"\n"):
+                if line.lstrip(b"0").startswith(start.lstrip(b"0")):
+                    major, _, minor = line.split(b" ")[3].partition(b":")
+                    return os.makedev(int(major, 16), int(minor, 16))
+    raise OSError("no shared anonymous mapping in /proc/self/maps")
 
 
 def classify(path: bytes) -> PathInfo:
