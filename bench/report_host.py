@@ -45,10 +45,13 @@ def render_host_scan(data: dict[str, Any], ctx: object) -> str:
             f"| {case['cli']['wall_s']:.2f} s | | |"
         )
         found = case["found"]
+        fds = case["fds_per_process"]
         notes.append(
-            f"`{name}`: {case['processes']} processes x {case['fds_per_process']} fds "
-            f"({case['memfds_per_process']:,} memfds each), {case['files']:,} /dev/shm files "
-            f"({case['files_held']:,} held), {case['segments']} SysV segments, "
+            f"`{name}`: {case['processes']} processes"
+            + (f" x {fds} fds" if fds else "")
+            + f" ({case['memfds_per_process']:,} mapped memfds each), "
+            f"{case['files']:,} /dev/shm files ({case['files_held']:,} held), "
+            f"{case['segments']} SysV segments, "
             f"{case['namespaces']} mount namespaces; the scan listed {found['objects']:,} "
             f"objects with {found['holder_rows']:,} holders ({case['host_processes']} "
             f"processes on the host; other CPUs busy {case['other_cpus']:.2f} of "
@@ -56,7 +59,8 @@ def render_host_scan(data: dict[str, Any], ctx: object) -> str:
         )
     lines += [
         "",
-        f"Targets (issue 33, for the `host` case): {'; '.join(verdicts)}. Ratios are CPU "
+        f"Targets (issue 33, set for the `host` case; `memfds` shows where a scan does the "
+        f"most per fd): {'; '.join(verdicts)}. Ratios are CPU "
         "time (other work on the machine stretches wall time on every side). "
         + "; ".join(notes)
         + f". {machine_line(data, sglang=False)}; samples and per-round ratios in "
