@@ -48,7 +48,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("gpu_pin: no CUDA device here; nothing measured (README says so)")
+        print("gpu_pin: no CUDA device here; nothing measured (docs/benchmarks.md says so)")
         return 2
     device = torch.empty(args.copy_bytes, dtype=torch.uint8, device="cuda")
     result: dict[str, Any] = {"benchmark": "gpu_pin", "gpu": torch.cuda.get_device_name()}

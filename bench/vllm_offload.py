@@ -27,7 +27,7 @@ Variants:
   bare_shm_populate         memfd + ftruncate + mmap + libc MADV_POPULATE_WRITE over the
                             same threads in 64 MiB spans, nothing else: the ceiling
 
-Writes bench/results/vllm_offload.json; `bench/report.py` renders it into the README.
+Writes bench/results/vllm_offload.json; `bench/report.py` renders it into docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""README's populate chart, drawn from the committed bench/results/populate.json: every
+"""docs/benchmarks.md's populate chart, drawn from the committed bench/results/populate.json: every
 variant its own colour, the three groups (hostpool, peers, bare-kernel ceilings) told apart
 by colour family and hatching, and no value label on top of another."""
 

@@ -49,7 +49,7 @@ def record_churn(cycles: int, seconds: float, **figures: object) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """`make soak` writes its figures for the README (bench/report.py renders them)."""
+    """`make soak` writes its figures for docs/testing.md (bench/report.py renders them)."""
     if not SOAK:
         return
     import json

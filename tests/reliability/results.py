@@ -1,4 +1,4 @@
-"""Figures that reliability tests write for the README (rendered by bench/report.py).
+"""Figures that reliability tests write for docs/testing.md (rendered by bench/report.py).
 
 Written to bench/results/<benchmark>.json under `make soak` (HOSTPOOL_SOAK=1) or
 HOSTPOOL_RECORD_RESULTS=1; each call merges one entry, so running one test updates one

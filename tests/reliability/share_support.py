@@ -1,6 +1,6 @@
 """What the share-socket attack tests have in common: a share server in its own process (so
 a SIGBUS or a spinning loop shows as that process's fate, not the test runner's), a
-directory every uid can reach, and the figures file the README's attack section is
+directory every uid can reach, and the figures file docs/testing.md's attack section is
 generated from (bench/results/share-attacks.json, written by `make soak` or with
 HOSTPOOL_RECORD_RESULTS=1)."""
 

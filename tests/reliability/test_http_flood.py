@@ -4,7 +4,7 @@ The server runs as a real `hostpool` process under `ulimit -n 1024` (RLIMIT_NOFI
 the child). This process holds 1,020 half-open requests against it (request line and one
 header, never the blank line), reopening any the server closes, and scrapes meanwhile:
 every scrape answers (well within Prometheus' 10 s scrape timeout; how fast is the
-README's figure, not this test's), nothing is logged as a traceback, and a half-open
+docs/testing.md's figure, not this test's), nothing is logged as a traceback, and a half-open
 request that is closed never runs the application (no scrape for it). Every step waits
 for what it needs (the server's log, its sockets in /proc), never for a time.
 """

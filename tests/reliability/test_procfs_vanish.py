@@ -16,7 +16,7 @@ from tests.exporting import running_exporter, scrape, value
 from tests.reliability.results import RECORD
 from tests.reliability.results import record_procfs_attack as record
 
-SECONDS = 60.0 if RECORD else 8.0  # the README figure comes from the long run
+SECONDS = 60.0 if RECORD else 8.0  # the docs/testing.md figure comes from the long run
 # The children's 0-4 ms sleep below is the attack's shape (holders that exit while they
 # are read), not a synchronisation: the test waits on nothing but its own scrapes.
 

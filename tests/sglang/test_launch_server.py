@@ -2,7 +2,7 @@
 (issue 25 point 2).
 
 `python -m sglang.launch_server` with a tiny local Llama config, `--load-format dummy`,
-`--device cpu` and the HiCache options the README shows, run plain, with
+`--device cpu` and the HiCache options docs/sglang.md shows, run plain, with
 `HOSTPOOL_INSTRUMENT=sglang` and under `hostpool run --`. On this host the real server
 stops in its launcher process, before any scheduler process exists:
 
@@ -15,7 +15,7 @@ stops in its launcher process, before any scheduler process exists:
   server, which needs uvicorn and more of sglang's serving dependencies that the pinned
   closure leaves out. (With those added by hand, not here: the scheduler process starts
   and dies building the model, sglang's CPU rotary embedding importing
-  `vllm._custom_ops`, before any KV or host pool exists; see the README.)
+  `vllm._custom_ops`, before any KV or host pool exists; see docs/testing.md.)
 
 The test: the same exit code and the very same traceback with and without hostpool, and
 no line of hostpool's anywhere in what the server printed. It asserts the stop point
@@ -64,7 +64,7 @@ def _free_port() -> int:
 
 
 def server_args(model: Path, port: int) -> list[str]:
-    """The README's server options, on the tiny local model (nothing downloaded)."""
+    """docs/sglang.md's server options, on the tiny local model (nothing downloaded)."""
     return [
         "--model-path", str(model), "--load-format", "dummy", "--skip-tokenizer-init",
         "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
