@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -85,6 +86,9 @@ def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
+            # vLLM's ZMQ sockets (<dir>/<uuid>) outlive a killed server: in the test run's
+            # runtime directory (tests/conftest.py), removed with it, not in /tmp.
+            "VLLM_RPC_BASE_PATH": os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir(),
         }
     )
     if extra:
