@@ -106,6 +106,24 @@ class _Seen:
     shared: bool = False
     via: tuple[int, bytes] | None = None  # a VMA of a holder: /proc/PID/map_files name
 
+    @classmethod
+    def first(cls, pid: int, comm: str, row: Row, info: PathInfo, key: Key) -> _Seen:
+        """An object as the first process holding it shows it."""
+        identity = None if isinstance(key, bytes) else (os.makedev(key[1], key[2]), key[0])
+        via = row[HROW_VIA]
+        allocated = row[ROW_ALLOCATED]
+        return cls(
+            info,
+            identity,
+            [Holder(pid, comm, row[ROW_FDS], row[ROW_MAPPINGS])],
+            allocated,
+            None if allocated is None else row[HROW_SIZE],
+            None if allocated is None else row[HROW_MTIME] or row[HROW_CTIME],
+            row[ROW_MAPPED],
+            row[HROW_SHARED],
+            None if via[1] else (pid, via[0]),
+        )
+
     def add(self, pid: int, comm: str, row: Row) -> None:
         """One process's row (processes come in pid order: holders stay sorted)."""
         self.holders.append(Holder(pid, comm, row[ROW_FDS], row[ROW_MAPPINGS]))
@@ -133,21 +151,25 @@ class _Scan:
 
     def add_process(self, pid: int, rows: dict[Key, Row]) -> None:
         comm = command_name(pid) or "?"
-        foreign_ipc: str | None = None
+        objects = self.objects
         for key, row in rows.items():
             info: PathInfo = row[ROW_MATCH]
-            if info[1] == _HUGE_ANON and not row[HROW_SHARED]:
-                continue  # a private MAP_HUGETLB mapping: no shared object
             okey: Key | SysvKey = key
             if info[0] == "sysv":
-                if foreign_ipc is None:
-                    foreign_ipc = _ipc_ns(pid) or ""
-                shmid = 0 if isinstance(key, bytes) else key[0]
-                okey = ("sysv", foreign_ipc if foreign_ipc != self.ipc_ns else None, shmid)
-            seen = self.objects.get(okey)
+                okey = self._sysv_key(pid, key)
+            elif info[1] == _HUGE_ANON and not row[HROW_SHARED]:
+                continue  # a private MAP_HUGETLB mapping: no shared object
+            seen = objects.get(okey)
             if seen is None:
-                seen = self.objects[okey] = _Seen(info, key_identity(key))
-            seen.add(pid, comm, row)
+                objects[okey] = _Seen.first(pid, comm, row, info, key)
+            else:
+                seen.add(pid, comm, row)
+
+    def _sysv_key(self, pid: int, key: Key) -> SysvKey:
+        """A segment is its shmid within its IPC namespace (ours: None)."""
+        ns = _ipc_ns(pid) or ""
+        shmid = 0 if isinstance(key, bytes) else key[0]
+        return "sysv", ns if ns != self.ipc_ns else None, shmid
 
 
 def _ipc_ns(pid: int | str) -> str | None:
