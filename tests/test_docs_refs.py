@@ -120,6 +120,22 @@ def test_every_make_target_exists(source: str, target: str) -> None:
     assert target in make_targets(), f"{source}: `make {target}` is not a Makefile target"
 
 
+def test_every_readme_link_resolves() -> None:
+    """The README is outside the MkDocs site: its links to files and anchors are checked
+    here (a link into docs/ names a page and, after #, one of its headings)."""
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert any(link.startswith("docs/") for link in links)
+    for link in links:
+        if re.match(r"[a-z]+:", link):
+            continue  # a URL
+        path, _, anchor = link.partition("#")
+        page = path or "README.md"
+        assert (ROOT / page).exists(), f"README.md links {link}: no {page}"
+        if anchor:
+            assert anchor in headings(page).values(), f"README.md links {link}: no such heading"
+
+
 def test_runbook_urls_point_into_the_runbook_page() -> None:
     alerts = (ROOT / "metrics" / "alerts.yml").read_text()
     urls = re.findall(r"runbook_url: (\S+)", alerts)
