@@ -23,7 +23,9 @@ from typing import Any
 
 import pytest
 import structlog
+import torch
 
+from hostpool import HostPoolManager
 from hostpool.core.hostbudget import HostBudget
 from hostpool.errors import AllocationError, ConfigError, UnavailableError
 from hostpool.share import socketpath
@@ -147,6 +149,19 @@ def test_strangers_files_are_neither_counted_nor_removed(open_dir: Path) -> None
         budget.close()
     assert huge.exists() and fifo.exists() and (shared / "3.link.resv").is_symlink()
     assert not stale.exists()
+
+
+def test_a_strangers_lock_file_is_refused_not_used(open_dir: Path) -> None:
+    shared = open_dir / "budget"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    as_nobody("touch", str(shared / ".lock"))  # theirs: they could flock it for ever
+    budget = HostBudget(64 * MiB, shared)
+    with HostPoolManager(budget=budget) as manager:
+        with pytest.raises(ConfigError, match=f"lock .* \\(uid {NOBODY}\\)"):
+            finishes(lambda: manager.allocator("kv").allocate((MiB,), torch.uint8))
+        assert finishes(budget.reserved_bytes) == 0  # a scrape is not refused
+    budget.close()
 
 
 def test_a_strangers_lock_is_waited_on_with_a_deadline(open_dir: Path) -> None:

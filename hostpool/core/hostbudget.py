@@ -147,9 +147,11 @@ class HostBudget:
             with self._directory_locked(fcntl.LOCK_SH, None) as dir_fd:
                 if dir_fd is not None:
                     self._last_others, _ = self._peers(dir_fd, state.path, remove_stale=False)
-                return self._last_others + state.reserved
+        except (OSError, ConfigError):
+            pass  # a scrape shows the last reading; the next admission raises it, typed
         finally:
             state.lock.release()
+        return self._last_others + state.reserved
 
     # -- beyond the protocol ---------------------------------------------------------
     def settle(self, held: int) -> None:
