@@ -297,3 +297,34 @@ def test_the_shmem_device_without_memfd_create(monkeypatch: pytest.MonkeyPatch) 
         assert got.shmem == expected and got.hugetlb == frozenset()
     finally:
         hostread.internal_devices.cache_clear()
+
+
+def test_processes_and_files_vanishing_meanwhile_raise_nothing(root: None) -> None:
+    """Holders that exit and files unlinked while scans run: every scan completes."""
+    import threading
+
+    stop = threading.Event()
+    made: list[str] = []
+
+    def churn() -> None:
+        while not stop.is_set():
+            path = f"/dev/shm/hostpool-test-churn-{secrets.token_hex(4)}"
+            hostobjects.write_file(path, PAGE)
+            made.append(path)
+            code = "import os, sys; os.memfd_create('x'); open(sys.argv[1])"
+            proc = subprocess.Popen(  # it may find the file unlinked already: no matter
+                [sys.executable, "-c", code, path], stderr=subprocess.DEVNULL
+            )
+            os.unlink(path)
+            proc.wait()
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        for _ in range(10):
+            view = scan_host()
+            assert view.totals.shmem_bytes > 0
+    finally:
+        stop.set()
+        worker.join()
+    assert made and not any(os.path.exists(p) for p in made)
