@@ -546,12 +546,24 @@ stamp(const struct statx_timestamp *t)
 static int
 set_facts(PyObject *row, const struct statx *st)
 {
+    PyObject *facts[3];
+    int i;
     if (PyList_GET_SIZE(row) != HOST_ROW_FIELDS)
         return 0;
-    if (PyList_SetItem(row, ROW_SIZE, PyLong_FromUnsignedLongLong(st->stx_size)) < 0 ||
-        PyList_SetItem(row, ROW_MTIME, PyFloat_FromDouble(stamp(&st->stx_mtime))) < 0 ||
-        PyList_SetItem(row, ROW_CTIME, PyFloat_FromDouble(stamp(&st->stx_ctime))) < 0)
+    facts[0] = PyLong_FromUnsignedLongLong(st->stx_size);
+    facts[1] = PyFloat_FromDouble(stamp(&st->stx_mtime));
+    facts[2] = PyFloat_FromDouble(stamp(&st->stx_ctime));
+    if (facts[0] == NULL || facts[1] == NULL || facts[2] == NULL) {
+        for (i = 0; i < 3; i++)
+            Py_XDECREF(facts[i]);
         return -1;
+    }
+    for (i = 0; i < 3; i++) /* each reference stolen, whatever the outcome */
+        if (PyList_SetItem(row, ROW_SIZE + i, facts[i]) < 0) {
+            for (i++; i < 3; i++)
+                Py_DECREF(facts[i]);
+            return -1;
+        }
     return 0;
 }
 
