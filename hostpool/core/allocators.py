@@ -25,6 +25,7 @@ from hostpool.errors import AllocationError, ConfigError, HostPoolError, Invalid
 from hostpool.memory.create import backend_of, create_region, plan_fallback
 from hostpool.memory.holders import tensor_over
 from hostpool.memory.hugepages import HugepagePlan, plan_hugepages
+from hostpool.memory.interface import RegionLike
 from hostpool.memory.options import RegionOptions, validate_pool_name
 from hostpool.memory.region import Region
 from hostpool.words import AllocatorKind
@@ -145,7 +146,7 @@ class HostTensorAllocator:
         return self._id
 
     @property
-    def regions(self) -> list[Region]:
+    def regions(self) -> list[RegionLike]:
         return self._ledger.regions(owner=self._id)
 
     @property

@@ -33,7 +33,7 @@ from hostpool.core.records import (
     record_of,
     tracking_stacks_from_env,
 )
-from hostpool.memory.region import Region
+from hostpool.memory.interface import RegionLike
 from hostpool.words import FailureReason, FallbackReason, RegionState, ReleaseHow
 
 # Births and deaths queued before the hot path settles them itself.
@@ -133,7 +133,7 @@ class Ledger:
 
     def record(
         self,
-        region: Region,
+        region: RegionLike,
         *,
         allocator: str,
         owner: int,
@@ -341,7 +341,7 @@ class Ledger:
 
     def regions(
         self, *, owner: int | None = None, state: RegionState | None = "live"
-    ) -> list[Region]:
+    ) -> list[RegionLike]:
         return [e.region for e in self.entries(owner=owner) if state is None or e.state == state]
 
     def snapshot(

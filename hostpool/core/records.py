@@ -9,7 +9,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hostpool.memory.region import Region
+from hostpool.memory.interface import RegionLike
 from hostpool.words import EndCause, FailureReason, FallbackReason, RegionState, ReleaseHow
 
 # hostpool_allocation_duration_seconds buckets: 1 ms .. 10 min.
@@ -23,7 +23,7 @@ DURATION_BUCKETS = (
 class LedgerEntry:
     """What the ledger keeps of one region: the Region, who made it, and its state."""
 
-    region: Region
+    region: RegionLike
     allocator: str
     owner: int  # id of the allocator object that made it
     stack: str | None
@@ -114,26 +114,34 @@ class AllocationRecord:
         return d
 
 
-# AllocationRecord fields that are the Region's attributes of the same name.
-_FROM_REGION = (
-    "id", "pool", "kind", "backend", "name", "requested_bytes", "mapped_bytes", "page_size",
-    "address", "fd", "created_at", "populate_mode", "populate_seconds",
-    "hugepage_fallbacks", "seals", "numa_node", "pinned_bytes",
-)  # fmt: skip
-
-
-def record_of(entry: Any, peers: int = 0) -> AllocationRecord:
-    """The plain record of a ledger entry (anything with `region`, `allocator`, `stack`,
-    `dims`, `dtype` and `state`)."""
+def record_of(entry: LedgerEntry, peers: int = 0) -> AllocationRecord:
+    """The plain record of a ledger entry. Each region fact is named (not read by field
+    name), so mypy checks it against `RegionLike`."""
     r = entry.region
     dev_ino = r.dev_ino
     return AllocationRecord(
-        **{field: getattr(r, field) for field in _FROM_REGION},
+        id=r.id,
+        pool=r.pool,
         allocator=entry.allocator,
+        kind=r.kind,
+        backend=r.backend,
+        name=r.name,
         state=entry.state,
+        requested_bytes=r.requested_bytes,
+        mapped_bytes=r.mapped_bytes,
+        page_size=r.page_size,
+        address=r.address,
+        fd=r.fd,
         open_fds=r.open_fd_count(),
         device=dev_ino[0] if dev_ino else None,
         inode=dev_ino[1] if dev_ino else None,
+        created_at=r.created_at,
+        populate_mode=r.populate_mode,
+        populate_seconds=r.populate_seconds,
+        hugepage_fallbacks=r.hugepage_fallbacks,
+        seals=r.seals,
+        numa_node=r.numa_node,
+        pinned_bytes=r.pinned_bytes,
         stack=entry.stack,
         dims=entry.dims,
         dtype=entry.dtype,

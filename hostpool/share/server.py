@@ -22,7 +22,7 @@ from hostpool.base import events
 from hostpool.core.ledger import Ledger, get_ledger
 from hostpool.core.manager import PoolManager
 from hostpool.errors import ShareError
-from hostpool.memory.region import Region
+from hostpool.memory.interface import RegionLike
 from hostpool.net.guard import FD_SHORTAGE
 from hostpool.share import peers, protocol
 from hostpool.share.access import AccessPolicy, Grant
@@ -128,7 +128,7 @@ class PoolShareServer:
             return [(protocol.encode({"ok": True}), [])]
         raise protocol.ProtocolError(f"unknown op {op!r}")
 
-    def _regions(self, pool: str) -> list[tuple[Region, Any]]:
+    def _regions(self, pool: str) -> list[tuple[RegionLike, Any]]:
         allocator = self.manager.allocator_for(pool)
         if allocator is None:
             return []

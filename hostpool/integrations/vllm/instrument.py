@@ -25,8 +25,10 @@ method patched on the class reaches every one of them, whenever it was imported.
 import hook patches the two defining modules when they load after `install()` (the `.pth`
 hook installs before vLLM is imported). Nothing else of vLLM changes; `uninstall()` puts
 every original back. A vLLM whose layout differs from 0.32's is left alone, with one
-`hostpool.vllm.unknown_layout` warning; a record that cannot be made never stops vLLM
-(`hostpool.vllm.untracked` warning).
+`hostpool.vllm.unknown_layout` warning, and so is a vLLM outside the versions these
+internals were read from (`internals.GATE`: one `hostpool.untested_version` warning); a
+record that cannot be made never stops vLLM (`hostpool.vllm.untracked` warning). Which
+of vLLM's internals this relies on is `internals`' to say.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import Any, TypeVar
 
 from hostpool.base import events
 from hostpool.integrations.importhook import Switch
+from hostpool.integrations.vllm import internals as vllm_internals
 from hostpool.integrations.vllm.recording import (
     Populate,
     VllmRegion,
@@ -52,8 +55,8 @@ from hostpool.integrations.vllm.recording import (
     zeros_mode_type,
 )
 
-REGION_MODULE = "vllm.v1.kv_offload.cpu.shared_offload_region"
-WORKER_MODULE = "vllm.v1.kv_offload.cpu.gpu_worker"
+REGION_MODULE = vllm_internals.REGION_MODULE
+WORKER_MODULE = vllm_internals.WORKER_MODULE
 _Entry = TypeVar("_Entry")
 
 
@@ -107,22 +110,25 @@ def _is_target(name: str) -> bool:
 
 
 def _after_import(module: types.ModuleType) -> None:
+    if not vllm_internals.supported():
+        return  # vLLM stays as it is (the gate warned once)
+    names = vars(module)
     if module.__name__ == REGION_MODULE:
-        names = vars(module)
-        cls = names.get("SharedOffloadRegion")
-        chooser = names.get("_get_populate_write_fn")
-        madvise = names.get("_madvise_populate_write")
-        if _has(cls, "__init__", "cleanup") and callable(chooser) and callable(madvise):
+        cls = names.get(vllm_internals.REGION_CLASS)
+        chooser = names.get(vllm_internals.POPULATE_CHOOSER)
+        madvise = names.get(vllm_internals.POPULATE_MADVISE)
+        if _has(cls, *vllm_internals.REGION_METHODS) and callable(chooser) and callable(madvise):
             _patch(cls, "__init__", _region_init)
             _patch(cls, "cleanup", _region_cleanup)
             # The populate vLLM chose (MADV_POPULATE_WRITE or its per-page fallback), and
             # its time: read where vLLM picks it, so the record says what happened.
-            _patch(module, "_get_populate_write_fn", functools.partial(_populate_chooser, madvise))
+            chooser_patch = functools.partial(_populate_chooser, madvise)
+            _patch(module, vllm_internals.POPULATE_CHOOSER, chooser_patch)
         else:
             events.warning("hostpool.vllm.unknown_layout", module=module.__name__)
     elif module.__name__ == WORKER_MODULE:
-        cls = vars(module).get("CPUOffloadingWorker")
-        if _has(cls, "__init__", "shutdown"):
+        cls = names.get(vllm_internals.WORKER_CLASS)
+        if _has(cls, *vllm_internals.WORKER_METHODS):
             _patch(cls, "__init__", _worker_init)
             _patch(cls, "shutdown", _worker_shutdown)
         else:
@@ -168,8 +174,9 @@ def _populate_chooser(
 def _region_init(original: Callable[..., None]) -> Callable[..., None]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         state = Populate()
-        if callable(kwargs.get("barrier")):  # vLLM passes it by name
-            kwargs["barrier"] = _timed_barrier(kwargs["barrier"], state)
+        barrier = kwargs.get(vllm_internals.BARRIER_KEYWORD)  # vLLM passes it by name
+        if callable(barrier):
+            kwargs[vllm_internals.BARRIER_KEYWORD] = _timed_barrier(barrier, state)
         outer = getattr(_populating, "state", None)
         _populating.state = state
         started = time.perf_counter()

@@ -8,13 +8,18 @@ import functools
 import itertools
 import mmap
 import os
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hostpool.base import events
-from hostpool.memory.region import Region, dup_if_same
+from hostpool.integrations.vllm import internals as vllm_internals
+from hostpool.memory.facts import RegionFacts
+from hostpool.memory.interface import RegionLike
+from hostpool.memory.region import dup_if_same
+from hostpool.words import AllocatorKind, FallbackReason
 
 POOL = "vllm_offload"
 REGION_ALLOCATOR = "vllm_shared_region"
@@ -32,16 +37,68 @@ def next_owner_id() -> int:
 
 
 @dataclass(eq=False)
-class VllmRegion(Region):
-    """A `SharedOffloadRegion` as the ledger sees it: vLLM owns the fd and the mapping,
-    hostpool holds weak references and the inode (nothing here opens, maps or closes).
+class VllmRegion:
+    """A `SharedOffloadRegion` as the ledger sees it (a `RegionLike`): vLLM owns the fd and
+    the mapping, hostpool holds weak references and the inode (nothing here opens, maps or
+    closes). The facts of how it was made are a `RegionFacts`, as every maker records them.
 
     `fd` is vLLM's fd while it still names the region's inode; `open_fd_count()` is that
     fd plus mmap's internal dup while vLLM's mapping is open: what /proc/PID/fd shows.
     """
 
-    source: weakref.ReferenceType[Any] | None = field(default=None, repr=False)
-    mapping: weakref.ReferenceType[mmap.mmap] | None = field(default=None, repr=False)
+    id: int
+    facts: RegionFacts
+    address: int
+    dev_ino: tuple[int, int]
+    source: weakref.ReferenceType[Any] = field(repr=False)  # vLLM's SharedOffloadRegion
+    mapping: weakref.ReferenceType[mmap.mmap] = field(repr=False)  # its mmap_obj
+    created_at: float = field(default_factory=time.time)
+    # What vLLM's region never has: seals, a NUMA binding, CUDA pins of hostpool's, an
+    # fd of hostpool's to leave open.
+    seals: int = field(default=0, init=False)
+    numa_node: int | None = field(default=None, init=False)
+    pinned_bytes: int = field(default=0, init=False, repr=False)
+    fd_reused: int | None = field(default=None, init=False, repr=False)
+
+    @property
+    def pool(self) -> str:
+        return self.facts.pool
+
+    @property
+    def kind(self) -> AllocatorKind:
+        return self.facts.kind
+
+    @property
+    def backend(self) -> str:
+        return self.facts.backend
+
+    @property
+    def name(self) -> str | None:
+        return self.facts.name
+
+    @property
+    def requested_bytes(self) -> int:
+        return self.facts.requested_bytes
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self.facts.requested_bytes  # vLLM maps exactly what it sized
+
+    @property
+    def page_size(self) -> int:
+        return self.facts.page_size
+
+    @property
+    def populate_mode(self) -> str:
+        return self.facts.populate_mode
+
+    @property
+    def populate_seconds(self) -> float:
+        return self.facts.populate_seconds
+
+    @property
+    def hugepage_fallbacks(self) -> tuple[FallbackReason, ...]:
+        return self.facts.hugepage_fallbacks
 
     @property
     def fd(self) -> int | None:
@@ -50,9 +107,8 @@ class VllmRegion(Region):
 
     def _stat(self) -> tuple[int | None, int]:
         """(vLLM's fd, bytes the file holds) when the fd still names our inode."""
-        source = self.source() if self.source is not None else None
-        fd = getattr(source, "fd", None)
-        if not isinstance(fd, int):
+        fd = vllm_internals.region_fd(self.source())
+        if fd is None:
             return None, 0
         try:
             st = os.fstat(fd)
@@ -64,11 +120,8 @@ class VllmRegion(Region):
 
     @property
     def mapped(self) -> bool:
-        mm = self.mapping() if self.mapping is not None else None
+        mm = self.mapping()
         return mm is not None and not mm.closed
-
-    def views_alive(self) -> bool:
-        return self.mapped
 
     def mmap(self) -> None:
         """None: the mapping is vLLM's, never handed out by hostpool."""
@@ -79,12 +132,7 @@ class VllmRegion(Region):
 
     def borrow_fd(self) -> int | None:
         fd = self.fd
-        if fd is None or self.dev_ino is None:
-            return None
-        return dup_if_same(fd, self.dev_ino)
-
-    def resident_bytes(self) -> int:
-        return self.scrape()[1]
+        return None if fd is None else dup_if_same(fd, self.dev_ino)
 
     def scrape(self) -> tuple[int, int]:
         fd, resident = self._stat()
@@ -93,6 +141,12 @@ class VllmRegion(Region):
     def close(self) -> bool:
         """Closes nothing (vLLM's `cleanup()` does); True once vLLM's mapping is closed."""
         return not self.mapped
+
+
+if TYPE_CHECKING:
+
+    def _conforms(region: VllmRegion) -> RegionLike:
+        return region  # mypy: VllmRegion implements RegionLike
 
 
 @dataclass
@@ -110,39 +164,34 @@ def record_region(source: Any, seconds: float, populate: Populate) -> VllmRegion
     returns the record. Raises what fstat or a malformed `source` raises."""
     from hostpool.core.ledger import get_ledger
 
-    fd = source.fd
-    mm = source.mmap_obj
-    if not isinstance(fd, int) or not isinstance(mm, mmap.mmap):
-        raise TypeError("SharedOffloadRegion without an fd and a mapping")
-    st = os.fstat(fd)
-    nbytes = int(source.total_size_bytes)
+    state = vllm_internals.read_region(source)
+    st = os.fstat(state.fd)
+    nbytes = state.total_size_bytes
     ledger = get_ledger()
     rid = next_owner_id()
-    region = VllmRegion(
-        id=rid,
-        pool=POOL,
-        kind="shm",
-        backend="devshm",
-        name=os.path.basename(str(source.mmap_path)),
-        requested_bytes=nbytes,
-        mapped_bytes=nbytes,
-        page_size=mmap.PAGESIZE,
-        address=int(source.base_tensor.data_ptr()),
+    facts = RegionFacts(
+        POOL,
+        "shm",
+        "devshm",
+        nbytes,
         populate_mode=populate.mode,
         populate_seconds=populate.seconds,
-        hugepage_fallbacks=(),
-        thp_advised=False,
-        seals=0,
-        numa_node=None,
+        name=os.path.basename(state.path),
+        page_size=mmap.PAGESIZE,
+    )
+    region = VllmRegion(
+        id=rid,
+        facts=facts,
+        address=state.address,
         dev_ino=(st.st_dev, st.st_ino),
         source=weakref.ref(source),
-        mapping=weakref.ref(mm),
+        mapping=weakref.ref(state.mapping),
     )
     # The mapping goes with vLLM's mmap object. Its end is explicit when vLLM's cleanup()
     # ran (the region object lives on with `mmap_obj = None`), else a leak: the object was
     # collected (its fd stays open: vLLM closes it only in cleanup()).
     gone = functools.partial(mapping_gone, ledger.unmapped_callback(), weakref.ref(source), rid)
-    weakref.finalize(mm, gone).atexit = False
+    weakref.finalize(state.mapping, gone).atexit = False
     _into_ledger(ledger, region, REGION_ALLOCATOR, rid, seconds, (nbytes,), "torch.int8")
     events.info(
         "hostpool.vllm.recorded",
@@ -150,8 +199,8 @@ def record_region(source: Any, seconds: float, populate: Populate) -> VllmRegion
         allocator=REGION_ALLOCATOR,
         bytes=nbytes,
         name=region.name,
-        fd=fd,
-        rank=getattr(source, "rank", None),
+        fd=state.fd,
+        rank=state.rank,
         seconds=round(seconds, 6),
     )
     return region
@@ -162,9 +211,7 @@ def mapping_gone(
 ) -> None:
     """Finalizer of vLLM's mmap: the region ended, `explicit` if vLLM's cleanup() ran."""
     # Finalizer (any thread, inside GC): no lock, no reference to the record.
-    source = source_ref()
-    cleaned = source is not None and getattr(source, "mmap_obj", True) is None
-    notify(region_id, "explicit" if cleaned else "collected")
+    notify(region_id, "explicit" if vllm_internals.cleaned_up(source_ref()) else "collected")
 
 
 def untracked(exc: BaseException) -> None:
@@ -240,7 +287,7 @@ def record_tensor(tensor: Any, owner: int) -> Any:
 
 def _into_ledger(
     ledger: Any,
-    region: Region,
+    region: RegionLike,
     allocator: str,
     owner: int,
     seconds: float,

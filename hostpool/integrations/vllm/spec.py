@@ -51,7 +51,6 @@ import mmap
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import (
@@ -66,6 +65,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from hostpool.base.units import parse_size
 from hostpool.errors import ConfigError
+from hostpool.integrations.vllm import internals as vllm_internals
 from hostpool.integrations.vllm import metrics_route
 from hostpool.integrations.vllm.offload import HostCopyWorker, HostpoolRegion
 from hostpool.memory.options import RegionOptions, validate_pool_name
@@ -123,26 +123,11 @@ class HostpoolSharedRegion(SharedOffloadRegion):
     does vLLM's part, then releases the hostpool region explicitly.
 
     It does not call `SharedOffloadRegion.__init__` (which creates a `/dev/shm` file); it
-    sets the attributes vLLM 0.32's worker and `pin_mmap_region` read."""
+    sets the attributes vLLM's worker and `pin_mmap_region` read (`internals`)."""
 
-    def __init__(self, region: HostpoolRegion, cpu_page_size: int) -> None:
+    def __init__(self, region: HostpoolRegion) -> None:
         self.hostpool_region = region
-        self.page_size = mmap.PAGESIZE
-        self.num_chunks = region.num_chunks
-        self._row_stride = region.row_bytes
-        self.total_size_bytes = region.nbytes
-        self.mmap_path = ""
-        self._creator = False
-        self.rank = 0
-        self._worker_offset = 0
-        self._worker_area_end = cpu_page_size
-        self.fd = None
-        self.mmap_obj = None
-        self._base = region.base.view(-1)
-        self._views: list[torch.Tensor] = []
-        self._canonical_offset = 0
-        self.is_pinned = False
-        self.pinned_addresses: list[int] = []
+        vllm_internals.fill_worker_private(self, region.base, region.num_chunks, region.row_bytes)
 
     def cleanup(self) -> None:
         super().cleanup()
@@ -176,8 +161,11 @@ class HostpoolOffloadingSpec(CPUOffloadingSpec):
         return False
 
     def _uses_vllm_worker(self) -> bool:
-        """Whether vLLM's own copy worker runs on this platform (the stock spec's test)."""
-        return bool(current_platform.is_cuda_alike() or current_platform.is_xpu())
+        """Whether vLLM's own copy worker runs on this platform (the stock spec's test)
+        and is one whose region internals hostpool was read from (else `HostCopyWorker`,
+        after one `hostpool.untested_version` warning)."""
+        on_device = bool(current_platform.is_cuda_alike() or current_platform.is_xpu())
+        return on_device and vllm_internals.supported()
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._hostpool_worker is not None:
@@ -193,7 +181,7 @@ class HostpoolOffloadingSpec(CPUOffloadingSpec):
         try:
             worker: OffloadingWorker
             if self._uses_vllm_worker():
-                shared = HostpoolSharedRegion(region, cpu_page_size=row_bytes)
+                shared = HostpoolSharedRegion(region)
                 worker = CPUOffloadingWorker(
                     kv_caches=kv_caches,
                     blocks_per_chunk=self.blocks_per_chunk,
