@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import sys
 
+from hostpool.integrations.sglang import internals
+
 DEFAULT_POOL = "default"
 _POOL_CHARS = re.compile(r"[^A-Za-z0-9_-]")
 _LABEL_DEPTH = 40  # frames searched for the host pool being built
@@ -40,7 +42,7 @@ def _class_label(cls: type) -> str:
 
 def _label_of(owner: object) -> str:
     state = getattr(owner, "__dict__", {})
-    label = state.get("pool_label") or state.get("pool_name")
+    label = next((state[k] for k in internals.POOL_LABELS if state.get(k)), None)
     return pool_name(label) if label else pool_name(_class_label(type(owner)))
 
 
@@ -63,11 +65,10 @@ def current_pool(allocator: object | None = None) -> str:
         state = getattr(me, "__dict__", None)
         if not isinstance(state, dict):
             continue
-        if allocator is not None and state.get("allocator") is allocator:
+        if allocator is not None and state.get(internals.POOL_ALLOCATOR) is allocator:
             return _label_of(me)
         if fallback is None and (
-            "pool_label" in state
-            or "pool_name" in state
+            any(k in state for k in internals.POOL_LABELS)
             or (_host_pool_class is not None and isinstance(me, _host_pool_class))
         ):
             fallback = me

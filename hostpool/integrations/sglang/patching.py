@@ -11,6 +11,7 @@ from typing import Any
 
 from hostpool.base import events
 from hostpool.integrations.importhook import Switch, in_package
+from hostpool.integrations.sglang import internals
 from hostpool.integrations.sglang.labels import (
     current_pool,
     host_pool_class,
@@ -24,9 +25,7 @@ from hostpool.integrations.sglang.standins import (
     track_foreign,
 )
 
-COMMON = "sglang.srt.mem_cache.pool_host.common"
-MMAP = "sglang.srt.mem_cache.storage.mmap.mmap_allocator"
-BASE = "sglang.srt.mem_cache.pool_host.base"
+COMMON, MMAP, BASE = internals.COMMON, internals.MMAP, internals.BASE
 
 # id(original) -> (original, replacement); built when sglang's modules load.
 _replacements: dict[int, tuple[Any, Any]] = {}
@@ -83,12 +82,14 @@ def uninstall() -> None:
 
 
 def _after_import(module: types.ModuleType) -> None:
+    if not internals.supported():
+        return  # sglang stays as it is (the gate warned once)
     if module.__name__ == MMAP:
         _build_mmap_replacements(module)
     elif module.__name__ == COMMON:
         _build_common_replacements(module)
     elif module.__name__ == BASE and host_pool_class() is None:
-        remember_host_pool_class(getattr(module, "HostKVCache", None))
+        remember_host_pool_class(vars(module).get(internals.HOST_POOL))
     for attr, value in list(vars(module).items()):
         pair = _replacements.get(id(value))
         if pair is not None and pair[0] is value and not _exports(module, attr, value):
@@ -113,8 +114,8 @@ def _exports(module: types.ModuleType, attr: str, value: Any) -> bool:
 
 # -- replacements for pool_host/common.py and storage/mmap ------------------------------
 def _build_mmap_replacements(module: types.ModuleType) -> None:
-    original_shm = vars(module).get("alloc_shm")
-    original_mmap = vars(module).get("alloc_mmap")
+    original_shm = vars(module).get(internals.ALLOC_SHM)
+    original_mmap = vars(module).get(internals.ALLOC_MMAP)
     if original_shm is not None and id(original_shm) not in _replacements:
 
         def alloc_shm(dims: tuple[int, ...], dtype: Any) -> tuple[Any, int, Any]:
@@ -143,10 +144,10 @@ def _build_mmap_replacements(module: types.ModuleType) -> None:
 
 def _build_common_replacements(common: types.ModuleType) -> None:
     names = vars(common)
-    base = names.get("HostTensorAllocator")
-    shm_base = names.get("ShmHostTensorAllocator")
-    factory = names.get("get_allocator_from_storage")
-    type_rule = names.get("get_allocator_type")
+    base = names.get(internals.BASE_ALLOCATOR)
+    shm_base = names.get(internals.SHM_ALLOCATOR)
+    factory = names.get(internals.DISPATCH)
+    type_rule = names.get(internals.TYPE_RULE)
     if base is None or shm_base is None or factory is None or type_rule is None:
         events.warning("hostpool.sglang.unknown_layout", module=COMMON)
         return
@@ -171,7 +172,7 @@ def _build_common_replacements(common: types.ModuleType) -> None:
             track_foreign(allocator, str(allocator_type))
         return allocator
 
-    hip_check = names.get("_uses_hip_owned_host_memory")
+    hip_check = names.get(internals.HIP_CHECK)
     if callable(hip_check):
 
         def uses_hip_owned_host_memory(pin_memory: bool, allocator: Any) -> bool:
@@ -187,7 +188,7 @@ def _build_common_replacements(common: types.ModuleType) -> None:
     def get_allocator_type(server_args: Any = None) -> str:
         """sglang's answer (`allocator_type_rule`): from its published config, or from
         `server_args`; a malformed extra config is sglang's answer plus a warning event."""
-        source = names["get_memory"]() if server_args is None else server_args
+        source = names[internals.PUBLISHED_CONFIG]() if server_args is None else server_args
         return answer_allocator_type(
             field_of(source, "hicache_storage_backend"),
             field_of(source, "hicache_storage_backend_extra_config"),
@@ -211,11 +212,11 @@ def _wrap_destroys(module: types.ModuleType) -> None:
             and issubclass(value, host_pool)
         ):
             continue
-        original = value.__dict__.get("destroy")
+        original = value.__dict__.get(internals.DESTROY)
         if original is None or getattr(original, "hostpool_wrapped", False):
             continue
-        setattr(value, "destroy", _destroying(original))  # noqa: B010
-        _patched_classes.append((value, "destroy", original))
+        setattr(value, internals.DESTROY, _destroying(original))
+        _patched_classes.append((value, internals.DESTROY, original))
 
 
 def _destroying(original: Callable[..., Any]) -> Callable[..., Any]:

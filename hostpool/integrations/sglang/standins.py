@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hostpool.integrations.sglang import internals
 from hostpool.integrations.sglang.labels import current_pool, pool_name
 from hostpool.integrations.sglang.rules import mmap_options
 
@@ -158,7 +159,7 @@ _foreign_ids = iter(range(1, 1 << 62))
 
 def release_pool(pool: Any) -> None:
     """Release a host pool's regions explicitly: its normal teardown, not a leak."""
-    allocator = getattr(pool, "__dict__", {}).get("allocator")
+    allocator = getattr(pool, "__dict__", {}).get(internals.POOL_ALLOCATOR)
     if allocator is None:
         return
     close = getattr(allocator, "close", None)
