@@ -9,8 +9,9 @@ loader. The module keeps its real loader before, during and after execution (so
 inspect and reloads see what they see without the hook), and no frame of hostpool's runs
 around the module's code, so a module that fails to import fails with the very same
 traceback. The one difference is the class of `module.__spec__`: a `ModuleSpec` subclass
-whose `_initializing` flag, which the import system clears once the module has executed
-(`importlib._bootstrap._load_unlocked`), calls the callback when cleared after success.
+whose `_initializing` flag, which the import system clears once the module has executed,
+calls the callback when cleared after success (`importspec`: CPython's internal, with the
+versions it was read from).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+
+from hostpool.integrations import importspec
 
 
 def in_package(package: str) -> Callable[[str], bool]:
@@ -70,36 +72,8 @@ class PostImportHook(importlib.abc.MetaPathFinder):
                 break
         else:
             return None
-        if type(spec) is importlib.machinery.ModuleSpec:  # a finder's own class: leave it
-            spec.__class__ = _WatchedSpec
-            spec.__dict__[_AFTER] = tuple(h._after for h in hooks)
+        importspec.watch(spec, [h._after for h in hooks])  # not a finder's own spec class
         return spec
-
-
-_AFTER = "_hostpool_after"
-_FLAG = "_hostpool_initializing"
-
-
-class _WatchedSpec(importlib.machinery.ModuleSpec):
-    """A ModuleSpec (same attributes, same loader) that calls its `after` when the import
-    system marks the module initialised after its code ran without raising (on failure
-    the import system has already taken the module out of `sys.modules`)."""
-
-    @property
-    def _initializing(self) -> bool:
-        return bool(self.__dict__.get(_FLAG, False))
-
-    @_initializing.setter
-    def _initializing(self, value: bool) -> None:
-        state = self.__dict__
-        was = state.get(_FLAG, False)
-        state[_FLAG] = value
-        if not (was and not value):
-            return
-        module: Any = sys.modules.get(self.name)
-        if isinstance(module, types.ModuleType) and module.__spec__ is self:
-            for after in state.get(_AFTER, ()):
-                after(module)
 
 
 class Switch:
