@@ -9,8 +9,9 @@ time, budget limits), counters, and the duration histogram. No pid label is adde
 Every publish writes the ledger's *absolute* values: the counts it keeps at its
 transitions (births, releases, failures, fallbacks), the histogram's per-bucket counts and
 exact sum (observed at each birth), and the gauges, resident bytes measured now. They go
-through `prometheus_client.values.ValueClass`, the per-process storage prometheus_client's
-own metric classes write through, so a publish is idempotent: one that fails half-way is
+through the per-process storage prometheus_client's own metric classes write through
+(`promvalues`: its internals, with the versions they were read from), so a publish is
+idempotent: one that fails half-way is
 redone whole by the next, and nothing is counted twice or lost. Nothing is registered in a
 registry: in this mode the server exposes the directory, and a second set of metrics with
 the names `register_metrics()` already registered would collide (DuplicateTimeseries).
@@ -33,11 +34,10 @@ import threading
 import time
 from typing import Any
 
-from prometheus_client import values
-
 from hostpool.base import events, fork
 from hostpool.base.locks import ForkSafeLock
 from hostpool.core.ledger import Ledger, get_ledger
+from hostpool.metrics import promvalues
 from hostpool.metrics.collector import METRICS, count_publish_error, measure
 
 # Host-wide or per-process values that must not be summed across workers.
@@ -194,17 +194,16 @@ def _targets(samples: dict[str, dict[tuple[str, ...], Any]]) -> dict[_Key, float
 # One value object per file entry and process, shared by every publisher of the process:
 # two objects for one entry would each write their own idea of it. prometheus_client moves
 # them to a forked child's own files by itself (it checks the pid on every write).
-_published: dict[_Key, Any] = {}
+_published: dict[_Key, promvalues.Value] = {}
 _values_lock = ForkSafeLock()
 
 
-def _value(key: _Key) -> Any:
+def _value(key: _Key) -> promvalues.Value:
     value = _published.get(key)
     if value is None:
         typ, mode, metric, sample, labelnames, labelvalues = key
-        kwargs = {"multiprocess_mode": mode} if typ == "gauge" else {}
-        value = values.ValueClass(
-            typ, metric, sample, labelnames, labelvalues, METRICS[metric][2], **kwargs
+        value = promvalues.new_value(
+            typ, mode, metric, sample, labelnames, labelvalues, METRICS[metric][2]
         )
         _published[key] = value
     return value
@@ -261,7 +260,9 @@ def _start_once(interval: float) -> MultiprocessPublisher | None:
     with _current_lock:
         if _current is not None:
             return _current
-        if not getattr(values.ValueClass, "_multiprocess", False):
+        if not promvalues.supported():
+            return None  # nothing published (the gate warned once)
+        if not promvalues.writes_files():
             # prometheus_client was imported before the variable was set: its metrics
             # (the server's own too) stay in memory, and files would be written by nobody.
             if not _warned_not_multiprocess[0]:
