@@ -4,17 +4,22 @@
   cost of one environment lookup when the variable is unset;
 - the one compiled part, `hostpool/proc/bulkread.c` (the exporter's loops over every maps
   line and fd a scrape reads), built with the machine's C compiler and Python headers.
-Everything else is in pyproject.toml."""
+Everything else is in pyproject.toml. The editable install's hook relies on an internal of
+setuptools, kept in `build_support/editable_pth.py` with the versions it was read from."""
 
 from __future__ import annotations
 
 import os
 import shutil
-from typing import Any
+import sys
 
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
-from setuptools.command.editable_wheel import editable_wheel
+
+# build_support/ sits next to this file; pip runs this file with another directory first
+# on sys.path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from build_support.editable_pth import editable_command
 
 PTH = "hostpool-instrument.pth"
 
@@ -29,37 +34,18 @@ class BuildWithPth(build_py):
         return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, PTH)]
 
 
-class _StrategyWithPth:
-    """An editable-wheel strategy that also writes the hook (`pip install -e`)."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __call__(self, wheel: Any, files: list[str], mapping: dict[str, str]) -> None:
-        self._inner(wheel, files, mapping)
-        with open(PTH, "rb") as f:
-            wheel.writestr(PTH, f.read())
-
-    def __enter__(self) -> _StrategyWithPth:
-        self._inner.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._inner.__exit__(*exc)
-
-
-class EditableWithPth(editable_wheel):
-    def _select_strategy(self, *args: Any, **kwargs: Any) -> Any:
-        return _StrategyWithPth(super()._select_strategy(*args, **kwargs))
-
-
 BULKREAD = Extension(
     "hostpool.proc.bulkread",
     sources=["hostpool/proc/bulkread.c"],
     extra_compile_args=["-O2", "-Wall", "-Wextra"],  # `make lint` adds -Werror
 )
 
+commands: dict[str, type] = {"build_py": BuildWithPth}
+editable = editable_command(PTH)  # setuptools' internal, behind its version range
+if editable is not None:
+    commands["editable_wheel"] = editable
+
 setup(
-    cmdclass={"build_py": BuildWithPth, "editable_wheel": EditableWithPth},
+    cmdclass=commands,
     ext_modules=[BULKREAD],
 )

@@ -23,8 +23,9 @@ def test_the_wheel_carries_the_hook_at_its_root(tmp_path: Path) -> None:
     source.mkdir()
     for name in ("pyproject.toml", "setup.py", PTH, "README.md"):
         shutil.copy(ROOT / name, source / name)
-    shutil.copytree(ROOT / "hostpool", source / "hostpool",
-                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    for tree in ("hostpool", "build_support"):
+        shutil.copytree(ROOT / tree, source / tree,
+                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     out = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
          "-w", str(tmp_path), str(source)],

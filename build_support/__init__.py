@@ -1,0 +1,1 @@
+"""What setup.py needs besides setuptools (not part of the installed package)."""
