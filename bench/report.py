@@ -36,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import REPO_ROOT, RESULTS_DIR, format_size, load_verdict, read_json
 from bench.report_host import HOST
-from bench.report_host import HOST
 from bench.report_serve import SERVE, SOURCES
 from bench.report_tables import TABLES, machine_line
 
@@ -610,7 +609,6 @@ def render_exporter_scale(data: dict[str, Any], ctx: Context) -> str:
 RENDERERS.update(TABLES)
 RENDERERS.update(SERVE)
 RENDERERS.update(HOST)
-RENDERERS.update(HOST)
 
 
 def _populate_other_pages(name: str) -> Renderer:
@@ -644,6 +642,16 @@ def replace_region(text: str, name: str, body: str) -> str | None:
     return pattern.sub(lambda m: f"{m.group(1)}\n{body}\n{m.group(3)}", text, count=1)
 
 
+def render_region(name: str, data: dict[str, Any], ctx: Context) -> str:
+    """Region `name` rendered from its results `data`, marked in red (first line) when
+    the run was not quiet (`load_verdict`): what a page must hold for it."""
+    body = RENDERERS[name](copy.deepcopy(data), ctx)
+    verdict = load_verdict(data)
+    if verdict is None:
+        return body
+    return f'<p style="color:red"><b>{verdict[0].upper()}{verdict[1:]}.</b></p>\n\n{body}'
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -673,7 +681,7 @@ def main() -> int:
         print(f"({name}.json has no renderer yet: add one to bench/report.py)", file=sys.stderr)
     rendered = 0
     noisy: list[str] = []
-    for name, render in RENDERERS.items():
+    for name in RENDERERS:
         if args.only and name not in args.only:
             continue
         source = SOURCES.get(name, name)
@@ -683,19 +691,14 @@ def main() -> int:
             print(f"({path} missing: run {how})", file=sys.stderr)
             continue
         data = read_json(path)
-        verdict = load_verdict(data)
-        if verdict is not None:
+        if load_verdict(data) is not None:
             noisy.append(name)
         # Rendered for each page holding the region (a chart's link is relative to it).
         holders = [p for p in pages if replace_region(updated[p], name, "") is not None]
         body = ""
         for page in holders or [None]:
             ctx = Context(args.results_dir, page, not args.no_charts, args.charts_dir)
-            body = render(copy.deepcopy(data), ctx)
-            if verdict is not None:
-                body = (
-                    f'<p style="color:red"><b>{verdict[0].upper()}{verdict[1:]}.</b></p>\n\n{body}'
-                )
+            body = render_region(name, data, ctx)
             if page is not None:
                 updated[page] = replace_region(updated[page], name, body) or updated[page]
         print(f"## {name}\n\n{body}\n")
