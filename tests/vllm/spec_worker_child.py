@@ -268,12 +268,40 @@ def squatted_metrics_dir() -> dict[str, Any]:
         os.rmdir(squatted)
 
 
+def untested_vllm_on_a_device() -> dict[str, Any]:
+    """A CUDA-alike platform with a vLLM outside the versions hostpool's internals were
+    read from: the spec copies with its own worker instead of filling vLLM's region."""
+    import types
+
+    import structlog
+
+    from hostpool.integrations.vllm import internals
+    from hostpool.integrations.vllm import spec as spec_module
+
+    spec_module.current_platform = types.SimpleNamespace(  # type: ignore[assignment]
+        is_cuda_alike=lambda: True, is_xpu=lambda: False
+    )
+    internals.installed_version = lambda: "0.99.0"  # type: ignore[assignment]
+    with structlog.testing.capture_logs() as logs:
+        config = offloading_config({"hostpool_pool": "untested"}, 1)
+        spec = OffloadingSpecFactory.create_spec(config)
+        worker = spec.get_worker(kv_caches())
+        worker.shutdown()
+    return {
+        "worker": type(worker).__name__,
+        "warnings": [e for e in logs if e["event"] == "hostpool.untested_version"],
+        "releases": releases("untested"),
+        "after": {"memfds": memfds("untested"), "mappings": mappings("untested")},
+    }
+
+
 if __name__ == "__main__":
     scenario = {
         "copy_round_trip": copy_round_trip,
         "vllm_worker_seam": vllm_worker_seam,
         "refusals": refusals,
         "squatted_metrics_dir": squatted_metrics_dir,
+        "untested_vllm_on_a_device": untested_vllm_on_a_device,
     }[sys.argv[1]]
     result = scenario()
     print("RESULT " + json.dumps(result, default=str), flush=True)

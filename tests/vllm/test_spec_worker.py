@@ -65,6 +65,17 @@ def test_cuda_path_hands_the_region_to_vllms_own_worker() -> None:
     assert r["after"] == {"memfds": 0, "mappings": 0}
 
 
+def test_an_untested_vllm_on_a_device_gets_hostpools_own_copy_worker() -> None:
+    """Outside the versions `internals` was read from, vLLM's worker is not handed a
+    region whose private state hostpool would have to guess: one warning, HostCopyWorker."""
+    r = run("untested_vllm_on_a_device")
+    assert r["worker"] == "HostCopyWorker"
+    [warned] = r["warnings"]
+    assert (warned["package"], warned["installed"]) == ("vllm", "0.99.0")
+    assert r["releases"] == {"explicit": 1}
+    assert r["after"] == {"memfds": 0, "mappings": 0}
+
+
 def test_bad_options_are_typed_errors_and_leave_nothing() -> None:
     r = run("refusals")
     assert r["unknown_key"][0] == "ConfigError" and "hostpool_hugepages" in r["unknown_key"][2]
