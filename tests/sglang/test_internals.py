@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import structlog
 import torch
 
 from hostpool.integrations import sglang as integration
@@ -83,3 +84,26 @@ def test_a_host_pool_holds_its_allocator_and_label_before_it_allocates(
     assert type(vars(pool)[internals.POOL_ALLOCATOR]) is base
     assert vars(pool)[internals.POOL_LABELS[0]] == "probe-label"
     pool.destroy()
+
+
+def test_outside_its_versions_install_leaves_sglang_alone(
+    sglang_own: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(internals, "installed_version", lambda: "0.6.0")
+    common = vars(sglang_own[internals.COMMON])
+    original = common[internals.DISPATCH]
+    with structlog.testing.capture_logs() as logs:
+        integration.install()
+        try:
+            assert common[internals.DISPATCH] is original
+            assert vars(sglang_own[internals.MMAP])[internals.ALLOC_SHM].__module__ == (
+                internals.MMAP
+            )
+        finally:
+            integration.uninstall()
+    [warned] = [e for e in logs if e["event"] == "hostpool.untested_version"]
+    assert (warned["package"], warned["installed"], warned["tested"]) == (
+        "sglang",
+        "0.6.0",
+        ">=0.5.23,<0.5.24",
+    )
