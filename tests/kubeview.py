@@ -155,7 +155,7 @@ def _scrape(argv: list[str]) -> dict[str, list[int]]:
                 time.sleep(0.1)
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.communicate(timeout=30)  # drained: its stop lines must not block it on the pipe
     out: dict[str, list[int]] = {}
     for family in text_string_to_metric_families(text):
         at = {"hostpool_host_shm_objects": 0, "hostpool_host_shm_bytes": 1}.get(family.name)

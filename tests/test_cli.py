@@ -126,3 +126,23 @@ def test_run_runs_a_command_that_is_not_python_as_given() -> None:
     out = _run("--", "sh", "-c", 'echo "$HOSTPOOL_INSTRUMENT"; exit 7')
     assert out.returncode == 7
     assert out.stdout.strip() == "sglang,vllm"
+
+
+def test_a_reader_that_stops_early_gets_no_traceback() -> None:
+    """`hostpool shm --json | head` once head has gone: exit 1 (the output is incomplete),
+    no traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "hostpool", "shm", "--json"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -98,9 +99,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format)
     try:
         code: int = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not as a traceback at exit
     except HostPoolError as exc:  # one line; the status by cause (exitcodes.for_error)
         print(f"hostpool {args.command}: {exc}", file=sys.stderr)
         return for_error(exc)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader stopped reading (`| head`): not this command's failure to report, but
+        # its output is incomplete. Python's own advice: point stdout at /dev/null so the
+        # flush at exit cannot raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return code

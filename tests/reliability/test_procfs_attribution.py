@@ -88,9 +88,7 @@ def _start(argv: list[str]) -> tuple[subprocess.Popen[str], list[str]]:
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
-    assert proc.stdin is not None
-    proc.stdin.close()
-    proc.wait(timeout=60)
+    proc.communicate(timeout=60)  # closes stdin (the child's cue) and drains its stdout
 
 
 @pytest.fixture
