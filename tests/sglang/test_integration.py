@@ -460,12 +460,11 @@ def _dashboard_server_series() -> set[str]:
     names: set[str] = set()
     for _, expr in lint.panel_exprs(lint.load_dashboard()):
         names |= lint.metric_names(expr)
-    # hostpool_exporter_* come from `hostpool exporter`, hostpool_serve_* from `hostpool serve`.
-    return {
-        n
-        for n in names
-        if n.startswith("hostpool_") and not n.startswith(("hostpool_exporter_", "hostpool_serve_"))
-    }
+    # Not an engine's series: hostpool_exporter_* and hostpool_host_* come from `hostpool
+    # exporter` (--node), hostpool_serve_* from `hostpool serve`, hostpool_vllm_* from the
+    # vLLM metrics route only.
+    others = ("hostpool_exporter_", "hostpool_host_", "hostpool_serve_", "hostpool_vllm_")
+    return {n for n in names if n.startswith("hostpool_") and not n.startswith(others)}
 
 
 @pytest.mark.slow
