@@ -165,7 +165,7 @@ def _kubernetes(args: argparse.Namespace, command: list[str]) -> int:
     if args.config:
         from hostpool.serve.config import from_file
 
-        needs = podplan.needs_from_pools(from_file(args.config).pools)
+        needs = [pool.need() for pool in from_file(args.config).pools]
     else:
         needs = enginecmd.needs_from_command(command)
     engine = parse_size(args.engine_memory, what="--engine-memory")

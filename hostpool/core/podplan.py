@@ -24,12 +24,11 @@ import resource
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from hostpool.base.units import format_size
 from hostpool.errors import ConfigError
 from hostpool.memory import cgroup, kernel
-from hostpool.memory.options import RegionOptions
 
 Backing = Literal["memfd", "devshm", "anon"]
 MAX_MAP_COUNT = Path("/proc/sys/vm/max_map_count")
@@ -64,46 +63,6 @@ class Verdict:
 
     def line(self) -> str:
         return f"{'ok  ' if self.ok else 'FAIL'} {self.check:<16} {self.detail}"
-
-
-class PoolLike(Protocol):
-    """A pool of a serve config (hostpool.serve.config.PoolSpec has these)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def size(self) -> int: ...
-    @property
-    def allocator(self) -> str: ...
-    @property
-    def chunk(self) -> int: ...
-    @property
-    def options(self) -> RegionOptions: ...
-
-
-def needs_from_pools(pools: Iterable[PoolLike]) -> list[PoolNeed]:
-    """A serve config's pools: `shm` is a memfd (a /dev/shm file with `shm_backend =
-    "devshm"`), any other allocator private anonymous memory; one mapping per chunk."""
-    out = []
-    for pool in pools:
-        options = pool.options
-        backing: Backing = "anon"
-        if pool.allocator == "shm":
-            backing = "devshm" if options.shm_backend == "devshm" else "memfd"
-        out.append(
-            PoolNeed(
-                name=pool.name,
-                size_bytes=pool.size,
-                backing=backing,
-                hugepages=options.hugepages,
-                hugepage_size=options.hugepage_size,
-                pinned=options.pin,
-                mappings=-(-pool.size // pool.chunk),
-                numa_node=options.numa_node,
-                source=f"pools.{pool.name}",
-            )
-        )
-    return out
 
 
 def _round_up(n: int, unit: int) -> int:

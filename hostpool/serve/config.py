@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from hostpool.base.config import load_file
 from hostpool.base.units import parse_size
+from hostpool.core.podplan import Backing, PoolNeed
 from hostpool.errors import ConfigError, HostPoolError, InvalidRequestError
 from hostpool.memory.options import RegionOptions, validate_pool_name
 
@@ -70,6 +71,26 @@ class PoolSpec:
     allocator: str = "shm"
     chunk: int = DEFAULT_CHUNK
     options: RegionOptions = field(default_factory=RegionOptions)  # parsed once, here
+
+    def need(self) -> PoolNeed:
+        """What the pool asks of a host or pod: `shm` is a memfd (a /dev/shm file with
+        `shm_backend = "devshm"`), any other allocator private anonymous memory; one
+        mapping per chunk."""
+        options = self.options
+        backing: Backing = "anon"
+        if self.allocator == "shm":
+            backing = "devshm" if options.shm_backend == "devshm" else "memfd"
+        return PoolNeed(
+            name=self.name,
+            size_bytes=self.size,
+            backing=backing,
+            hugepages=options.hugepages,
+            hugepage_size=options.hugepage_size,
+            pinned=options.pin,
+            mappings=-(-self.size // self.chunk),
+            numa_node=options.numa_node,
+            source=f"pools.{self.name}",
+        )
 
 
 @dataclass(frozen=True)
