@@ -307,28 +307,18 @@ def _remove_segment(obj: HostObject, min_age: float) -> Result:
 
 def _report(result: Result) -> None:
     obj = result.obj
+    which: dict[str, object] = {"engine": obj.engine, "kind": obj.kind, "path": obj.path}
+    which |= {"name": obj.name, "shmid": obj.shmid}
     if result.outcome == "removed":
         events.info(
             "hostpool.reaped",
-            engine=obj.engine,
-            kind=obj.kind,
             bytes=obj.resident_bytes,
             size_bytes=obj.size_bytes,
             age_seconds=obj.age_seconds,
-            path=obj.path,
-            name=obj.name,
-            shmid=obj.shmid,
+            **which,
         )
     elif result.outcome == "failed":
-        events.warning(
-            "hostpool.reap_failed",
-            engine=obj.engine,
-            kind=obj.kind,
-            path=obj.path,
-            name=obj.name,
-            shmid=obj.shmid,
-            reason=result.detail,
-        )
+        events.warning("hostpool.reap_failed", reason=result.detail, **which)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
