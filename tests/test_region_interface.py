@@ -14,6 +14,7 @@ import torch
 from hostpool.core.allocators import ShmHostTensorAllocator
 from hostpool.core.ledger import get_ledger
 from hostpool.integrations.vllm.recording import Populate, VllmRegion, record_region
+from hostpool.memory.facts import RegionFacts
 from hostpool.memory.interface import RegionLike
 from hostpool.memory.region import Region
 from hostpool.metrics import measure
@@ -25,7 +26,8 @@ def test_both_kinds_have_every_member_and_neither_inherits_the_other() -> None:
     assert {"id", "pool", "mapped_bytes", "scrape", "close", "borrow_fd", "mmap"} <= MEMBERS
     for cls in (Region, VllmRegion):
         assert all(hasattr(cls, m) or m in cls.__dataclass_fields__ for m in MEMBERS), cls
-    assert not issubclass(VllmRegion, Region) and VllmRegion.__mro__[1] is object
+    # VllmRegion is a fact record (RegionFacts) with vLLM's own members: no Region inside.
+    assert not issubclass(VllmRegion, Region) and VllmRegion.__mro__[1:] == (RegionFacts, object)
     allocator = ShmHostTensorAllocator("iface")
     tensor = allocator.allocate((4096,), torch.uint8)
     region: RegionLike = allocator.regions[0]

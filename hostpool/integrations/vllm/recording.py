@@ -19,7 +19,6 @@ from hostpool.integrations.vllm import internals as vllm_internals
 from hostpool.memory.facts import RegionFacts
 from hostpool.memory.interface import RegionLike
 from hostpool.memory.region import dup_if_same
-from hostpool.words import AllocatorKind, FallbackReason
 
 POOL = "vllm_offload"
 REGION_ALLOCATOR = "vllm_shared_region"
@@ -36,19 +35,20 @@ def next_owner_id() -> int:
     return -(_ID_BASE + next(_ids))
 
 
-@dataclass(eq=False)
-class VllmRegion:
+@dataclass(frozen=True, eq=False, kw_only=True)
+class VllmRegion(RegionFacts):
     """A `SharedOffloadRegion` as the ledger sees it (a `RegionLike`): vLLM owns the fd and
     the mapping, hostpool holds weak references and the inode (nothing here opens, maps or
-    closes). The facts of how it was made are a `RegionFacts`, as every maker records them.
+    closes). The facts of how it was made are its `RegionFacts` fields, as every maker
+    records them; vLLM maps exactly what it sized (`mapped_bytes`).
 
     `fd` is vLLM's fd while it still names the region's inode; `open_fd_count()` is that
     fd plus mmap's internal dup while vLLM's mapping is open: what /proc/PID/fd shows.
     """
 
     id: int
-    facts: RegionFacts
     address: int
+    mapped_bytes: int
     dev_ino: tuple[int, int]
     source: weakref.ReferenceType[Any] = field(repr=False)  # vLLM's SharedOffloadRegion
     mapping: weakref.ReferenceType[mmap.mmap] = field(repr=False)  # its mmap_obj
@@ -59,46 +59,6 @@ class VllmRegion:
     numa_node: int | None = field(default=None, init=False)
     pinned_bytes: int = field(default=0, init=False, repr=False)
     fd_reused: int | None = field(default=None, init=False, repr=False)
-
-    @property
-    def pool(self) -> str:
-        return self.facts.pool
-
-    @property
-    def kind(self) -> AllocatorKind:
-        return self.facts.kind
-
-    @property
-    def backend(self) -> str:
-        return self.facts.backend
-
-    @property
-    def name(self) -> str | None:
-        return self.facts.name
-
-    @property
-    def requested_bytes(self) -> int:
-        return self.facts.requested_bytes
-
-    @property
-    def mapped_bytes(self) -> int:
-        return self.facts.requested_bytes  # vLLM maps exactly what it sized
-
-    @property
-    def page_size(self) -> int:
-        return self.facts.page_size
-
-    @property
-    def populate_mode(self) -> str:
-        return self.facts.populate_mode
-
-    @property
-    def populate_seconds(self) -> float:
-        return self.facts.populate_seconds
-
-    @property
-    def hugepage_fallbacks(self) -> tuple[FallbackReason, ...]:
-        return self.facts.hugepage_fallbacks
 
     @property
     def fd(self) -> int | None:
@@ -169,20 +129,18 @@ def record_region(source: Any, seconds: float, populate: Populate) -> VllmRegion
     nbytes = state.total_size_bytes
     ledger = get_ledger()
     rid = next_owner_id()
-    facts = RegionFacts(
-        POOL,
-        "shm",
-        "devshm",
-        nbytes,
+    region = VllmRegion(
+        pool=POOL,
+        kind="shm",
+        backend="devshm",
+        requested_bytes=nbytes,
         populate_mode=populate.mode,
         populate_seconds=populate.seconds,
         name=os.path.basename(state.path),
         page_size=mmap.PAGESIZE,
-    )
-    region = VllmRegion(
         id=rid,
-        facts=facts,
         address=state.address,
+        mapped_bytes=nbytes,
         dev_ino=(st.st_dev, st.st_ino),
         source=weakref.ref(source),
         mapping=weakref.ref(state.mapping),
