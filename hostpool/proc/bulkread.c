@@ -85,6 +85,8 @@ expect(const char **p, const char *end, char c)
 struct maps_line {
     unsigned long long start, end, offset, major, minor, inode;
     int shared; /* `s` in the perms: MAP_SHARED */
+    const char *perms;
+    Py_ssize_t perms_len;
     const char *path;
     Py_ssize_t path_len;
 };
@@ -105,6 +107,8 @@ parse_maps_line(const char *s, const char *eol, struct maps_line *out)
     if (s == perms || !expect(&s, eol, ' '))
         return 0;
     out->shared = s - perms >= 5 && perms[3] == 's';
+    out->perms = perms;
+    out->perms_len = s - 1 - perms;
     if (!parse_hex(&s, eol, &out->offset) || !expect(&s, eol, ' '))
         return 0;
     if (!parse_hex(&s, eol, &out->major) || !expect(&s, eol, ':'))
@@ -147,6 +151,12 @@ enum {
  * either gives its pages), whether any mapping is MAP_SHARED, and from its first fd its
  * length and times (host/scan.py's HROW_*) */
 enum { ROW_VIA = ROW_FIELDS, ROW_SHARED, ROW_SIZE, ROW_MTIME, ROW_CTIME, HOST_ROW_FIELDS };
+/* A detailed read (`detail` & DETAIL_VMAS, inspect and the leak check) adds one last item
+ * to a row: its logical mappings, each a list of its VMAs (start, end, offset, perms,
+ * usage), usage None from maps, (rss, shared_hugetlb, private_hugetlb, kernel_page_size)
+ * bytes from smaps. DETAIL_SMAPS: `data` is /proc/PID/smaps; each row's ROW_SMAPS is the
+ * sum of its VMAs' Rss and hugetlb pages. */
+enum { DETAIL_VMAS = 1, DETAIL_SMAPS = 2 };
 
 /* (inode, dev major, dev minor): the key of an object with an inode, as maps and statx
  * give it */
@@ -166,11 +176,19 @@ identity(unsigned long long inode, unsigned long long major, unsigned long long 
     return key;
 }
 
+/* whether a row is a host row (with or without its VMA list) */
+static int
+is_host_row(PyObject *row)
+{
+    return PyList_GET_SIZE(row) >= HOST_ROW_FIELDS;
+}
+
 static int
 row_check(PyObject *row)
 {
-    if (PyList_CheckExact(row) &&
-        (PyList_GET_SIZE(row) == ROW_FIELDS || PyList_GET_SIZE(row) == HOST_ROW_FIELDS))
+    Py_ssize_t n = PyList_CheckExact(row) ? PyList_GET_SIZE(row) : 0;
+    if (n == ROW_FIELDS || n == ROW_FIELDS + 1 || n == HOST_ROW_FIELDS ||
+        n == HOST_ROW_FIELDS + 1)
         return 0;
     PyErr_SetString(PyExc_TypeError, "rows must map keys to maps_objects rows");
     return -1;
@@ -187,14 +205,18 @@ add_to_item(PyObject *row, Py_ssize_t at, unsigned long long more)
     return sum == NULL ? -1 : PyList_SetItem(row, at, sum);
 }
 
-/* A row; `via` non-NULL makes a host row (its VMA's map_files name or its fd's entry) */
+/* A row; `via` non-NULL makes a host row (its VMA's map_files name or its fd's entry),
+ * `vmas` one with a last item, an empty list of logical mappings */
 static PyObject *
 new_row(PyObject *path, PyObject *match, unsigned long long mappings, unsigned long long size,
-        long fds, PyObject *via, int is_fd, int shared)
+        long fds, PyObject *via, int is_fd, int shared, int vmas)
 {
-    PyObject *row = PyList_New(via ? HOST_ROW_FIELDS : ROW_FIELDS);
+    Py_ssize_t n = (via ? HOST_ROW_FIELDS : ROW_FIELDS) + (vmas ? 1 : 0);
+    PyObject *row = PyList_New(n);
     if (row == NULL)
         return NULL;
+    if (vmas)
+        PyList_SET_ITEM(row, n - 1, PyList_New(0));
     PyList_SET_ITEM(row, ROW_PATH, Py_NewRef(path));
     PyList_SET_ITEM(row, ROW_MATCH, Py_NewRef(match));
     PyList_SET_ITEM(row, ROW_MAPPINGS, PyLong_FromUnsignedLongLong(mappings));
@@ -214,12 +236,30 @@ new_row(PyObject *path, PyObject *match, unsigned long long mappings, unsigned l
     return row;
 }
 
+/* The logical mapping a VMA of `row` joins (borrowed): the row's last one, or a new one
+ * when `fresh` (it does not continue the row's last VMA). */
+static PyObject *
+mapping_of(PyObject *row, int fresh)
+{
+    PyObject *mappings = PyList_GET_ITEM(row, PyList_GET_SIZE(row) - 1);
+    Py_ssize_t n = PyList_GET_SIZE(mappings);
+    if (fresh || n == 0) {
+        PyObject *mapping = PyList_New(0);
+        int rc = mapping == NULL ? -1 : PyList_Append(mappings, mapping);
+        Py_XDECREF(mapping);
+        return rc < 0 ? NULL : mapping; /* held by `mappings` */
+    }
+    return PyList_GET_ITEM(mappings, n - 1);
+}
+
 /* The line's VMA counted in the row of its object (`joined`: it continues the previous
  * line's VMA). Sets *row to that row (borrowed from `rows`), or to NULL when `names` says
- * the path is no match. -1 on error. */
+ * the path is no match; with `vmas`, *mapping to the logical mapping the VMA joins
+ * (borrowed from the row). -1 on error. */
 static int
 add_vma(PyObject *rows, PyObject *names, PyObject *unnamed, const struct maps_line *line,
-        PyObject *previous, int joined, int host, PyObject **row)
+        PyObject *previous, int joined, int host, int vmas, PyObject **row,
+        PyObject **mapping)
 {
     PyObject *path, *key = NULL, *match, *fresh = NULL, *via = NULL;
     unsigned long long size = line->end - line->start;
@@ -245,7 +285,8 @@ add_vma(PyObject *rows, PyObject *names, PyObject *unnamed, const struct maps_li
         if (via == NULL)
             goto fail;
     }
-    fresh = new_row(path, match == NULL ? Py_None : match, 1, size, 0, via, 0, line->shared);
+    fresh = new_row(path, match == NULL ? Py_None : match, 1, size, 0, via, 0, line->shared,
+                    vmas);
     if (fresh == NULL)
         goto fail;
     /* most objects are met once: one probe inserts the row or finds the object's */
@@ -260,10 +301,12 @@ add_vma(PyObject *rows, PyObject *names, PyObject *unnamed, const struct maps_li
             goto fail;
         if (add_to_item(*row, ROW_MAPPED, size) < 0)
             goto fail;
-        if (host && line->shared && PyList_GET_SIZE(*row) == HOST_ROW_FIELDS &&
+        if (host && line->shared && is_host_row(*row) &&
             PyList_SetItem(*row, ROW_SHARED, Py_NewRef(Py_True)) < 0)
             goto fail;
     }
+    if (vmas && (*mapping = mapping_of(*row, *row == fresh || *row != previous || !joined)) == NULL)
+        goto fail;
 done:
     Py_XDECREF(via);
     Py_XDECREF(fresh);
@@ -308,8 +351,103 @@ on_device(PyObject *devices, unsigned long long major, unsigned long long minor,
     return member;
 }
 
+/* A detailed read's VMA, kept until its smaps fields are read (the next header line, or
+ * the end): then its tuple joins its logical mapping and its pages its row's ROW_SMAPS. */
+struct vma {
+    PyObject *row, *mapping; /* strong; NULL: no VMA pending */
+    unsigned long long start, end, offset;
+    PyObject *perms;
+    unsigned long long usage[4]; /* Rss, Shared_Hugetlb, Private_Hugetlb, KernelPageSize */
+};
+
+static const char *const USAGE_FIELDS[4] = {
+    "Rss:", "Shared_Hugetlb:", "Private_Hugetlb:", "KernelPageSize:",
+};
+
+static void
+vma_clear(struct vma *vma)
+{
+    Py_CLEAR(vma->row);
+    Py_CLEAR(vma->mapping);
+    Py_CLEAR(vma->perms);
+}
+
+static int
+vma_start(struct vma *vma, PyObject *row, PyObject *mapping, const struct maps_line *line)
+{
+    vma->perms = PyUnicode_DecodeLatin1(line->perms, line->perms_len, NULL);
+    if (vma->perms == NULL)
+        return -1;
+    vma->row = Py_NewRef(row);
+    vma->mapping = Py_XNewRef(mapping);
+    vma->start = line->start;
+    vma->end = line->end;
+    vma->offset = line->offset;
+    memset(vma->usage, 0, sizeof(vma->usage));
+    return 0;
+}
+
+/* One smaps `Name:   value kB` line, counted in the pending VMA if it is one we keep. */
+static void
+vma_field(struct vma *vma, const char *s, const char *eol)
+{
+    int i;
+    unsigned long long kb;
+    for (i = 0; i < 4; i++) {
+        size_t n = strlen(USAGE_FIELDS[i]);
+        if ((size_t)(eol - s) > n && memcmp(s, USAGE_FIELDS[i], n) == 0) {
+            for (s += n; s < eol && *s == ' '; s++)
+                ;
+            if (parse_dec(&s, eol, &kb) && kb <= (~0ULL >> 10))
+                vma->usage[i] = kb << 10;
+            return;
+        }
+    }
+}
+
+/* The pending VMA, if any, added to its logical mapping and, from smaps, its pages to
+ * its row's ROW_SMAPS. */
+static int
+vma_flush(struct vma *vma, int smaps)
+{
+    PyObject *item, *usage = Py_None;
+    int rc = 0;
+    unsigned long long resident = vma->usage[0] + vma->usage[1] + vma->usage[2];
+
+    if (vma->row == NULL)
+        return 0;
+    if (smaps) {
+        if (PyList_GET_ITEM(vma->row, ROW_SMAPS) != Py_None) {
+            rc = add_to_item(vma->row, ROW_SMAPS, resident);
+        } else {
+            item = PyLong_FromUnsignedLongLong(resident);
+            rc = item == NULL ? -1 : PyList_SetItem(vma->row, ROW_SMAPS, item);
+        }
+    }
+    if (rc == 0 && vma->mapping != NULL) {
+        if (smaps)
+            usage = Py_BuildValue("(KKKK)", vma->usage[0], vma->usage[1], vma->usage[2],
+                                  vma->usage[3]);
+        item = usage == NULL ? NULL : Py_BuildValue("(KKKOO)", vma->start, vma->end,
+                                                    vma->offset, vma->perms, usage);
+        rc = item == NULL ? -1 : PyList_Append(vma->mapping, item);
+        Py_XDECREF(item);
+        if (smaps)
+            Py_XDECREF(usage);
+    }
+    vma_clear(vma);
+    return rc;
+}
+
+/* smaps: a VMA's header line starts with its address, its fields with a capital */
+static int
+is_header(const char *s, const char *eol)
+{
+    return s < eol && ((*s >= '0' && *s <= '9') || (*s >= 'a' && *s <= 'f'));
+}
+
 PyDoc_STRVAR(maps_objects_doc,
-"maps_objects(data, needles, names, devices=None, /)\n--\n\n"
+"maps_objects(data, needles, names, devices=None, detail=0, /)\n--\n\n"
 "The objects that the maps lines in `data` (a /proc/PID/maps file) map, among the lines\n"
 "whose path contains one of `needles` (a tuple of non-empty bytes): (rows, unnamed).\n"
 "`rows` maps each object's key, (inode, dev major, dev minor) or the path of an\n"
@@ -322,7 +460,12 @@ PyDoc_STRVAR(maps_objects_doc,
 "With `devices` (a set of st_dev ints, os.makedev's), the host view: a line is also taken\n"
 "when its object lies on one of them, and each row has five more items: (its first\n"
 "VMA's /proc/PID/map_files name, 0), whether any of its VMAs is MAP_SHARED, and None\n"
-"for the length, mtime and ctime that stat_fds fills in.");
+"for the length, mtime and ctime that stat_fds fills in.\n\n"
+"`detail` (inspect, the leak check) is a sum of flags: 1 adds to each row one last item,\n"
+"its logical mappings, each a list of its VMAs (start, end, offset, perms, usage); 2 reads\n"
+"`data` as /proc/PID/smaps: each row's smaps residency is its VMAs' Rss and hugetlb pages,\n"
+"and each VMA's usage is (rss, shared_hugetlb, private_hugetlb, kernel_page_size) in\n"
+"bytes (None when `data` is maps).");
 
 static PyObject *
 maps_objects(PyObject *Py_UNUSED(module), PyObject *args)
@@ -334,12 +477,18 @@ maps_objects(PyObject *Py_UNUSED(module), PyObject *args)
     Py_ssize_t i;
     struct maps_line line;
     struct device_cache cache = {0, 0, 0, 0};
-    int host;
+    struct vma vma = {NULL, NULL, 0, 0, 0, NULL, {0, 0, 0, 0}};
+    int host, detail = 0, smaps;
 
-    if (!PyArg_ParseTuple(args, "y*O!O!|O:maps_objects", &data, &PyTuple_Type, &needles,
-                          &PyDict_Type, &names, &devices))
+    if (!PyArg_ParseTuple(args, "y*O!O!|Oi:maps_objects", &data, &PyTuple_Type, &needles,
+                          &PyDict_Type, &names, &devices, &detail))
         return NULL;
     host = devices != Py_None;
+    smaps = detail & DETAIL_SMAPS;
+    if (detail & ~(DETAIL_VMAS | DETAIL_SMAPS)) {
+        PyErr_SetString(PyExc_ValueError, "detail must be 0-3");
+        goto fail;
+    }
     if (host && !PyAnySet_Check(devices)) {
         PyErr_SetString(PyExc_TypeError, "devices must be a set of ints or None");
         goto fail;
@@ -359,9 +508,17 @@ maps_objects(PyObject *Py_UNUSED(module), PyObject *args)
         const char *p = data.buf, *end = p + data.len;
         while (p < end) {
             const char *eol = memchr(p, '\n', (size_t)(end - p));
-            PyObject *row = NULL;
+            PyObject *row = NULL, *mapping = NULL;
             if (eol == NULL)
                 eol = end;
+            if (smaps && !is_header(p, eol)) { /* a field of the VMA above */
+                if (vma.row != NULL)
+                    vma_field(&vma, p, eol);
+                p = eol + 1;
+                continue;
+            }
+            if (vma_flush(&vma, smaps) < 0)
+                goto fail;
             int wanted = parse_maps_line(p, eol, &line);
             if (wanted && !mentions(line.path, line.path_len, needles)) {
                 wanted = host ? on_device(devices, line.major, line.minor, &cache) : 0;
@@ -375,7 +532,10 @@ maps_objects(PyObject *Py_UNUSED(module), PyObject *args)
                  * offset 0 whatever its part: its address decides) */
                 int joined = previous != NULL && previous_end == line.start &&
                              (line.inode == 0 || previous_offset_end == line.offset);
-                if (add_vma(rows, names, unnamed, &line, previous, joined, host, &row) < 0)
+                if (add_vma(rows, names, unnamed, &line, previous, joined, host,
+                            detail & DETAIL_VMAS, &row, &mapping) < 0)
+                    goto fail;
+                if (row != NULL && detail && vma_start(&vma, row, mapping, &line) < 0)
                     goto fail;
                 previous_end = line.end;
                 previous_offset_end = line.offset + (line.end - line.start);
@@ -384,9 +544,12 @@ maps_objects(PyObject *Py_UNUSED(module), PyObject *args)
             p = eol + 1;
         }
     }
+    if (vma_flush(&vma, smaps) < 0)
+        goto fail;
     PyBuffer_Release(&data);
     return Py_BuildValue("(NN)", rows, unnamed);
 fail:
+    vma_clear(&vma);
     Py_XDECREF(rows);
     Py_XDECREF(unnamed);
     PyBuffer_Release(&data);
@@ -548,7 +711,7 @@ set_facts(PyObject *row, const struct statx *st)
 {
     PyObject *facts[3];
     int i;
-    if (PyList_GET_SIZE(row) != HOST_ROW_FIELDS)
+    if (!is_host_row(row))
         return 0;
     facts[0] = PyLong_FromUnsignedLongLong(st->stx_size);
     facts[1] = PyFloat_FromDouble(stamp(&st->stx_mtime));
@@ -571,7 +734,7 @@ set_facts(PyObject *row, const struct statx *st)
 static int
 add_fd_row(PyObject *rows, PyObject *key, PyObject *entry, const struct statx *st)
 {
-    PyObject *row = new_row(Py_None, Py_None, 0, 0, 1, entry, 1, 0), *allocated;
+    PyObject *row = new_row(Py_None, Py_None, 0, 0, 1, entry, 1, 0, 0), *allocated;
     int rc = -1;
     if (row == NULL)
         return -1;
@@ -583,12 +746,36 @@ add_fd_row(PyObject *rows, PyObject *key, PyObject *entry, const struct statx *s
     return rc;
 }
 
+/* (entry, st_size, st_blocks * 512) of one fd appended to held[key] */
+static int
+hold(PyObject *held, PyObject *key, PyObject *entry, const struct statx *st)
+{
+    PyObject *fds, *item;
+    int rc;
+    fds = PyDict_GetItemWithError(held, key);
+    if (fds == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        fds = PyList_New(0);
+        rc = fds == NULL ? -1 : PyDict_SetItem(held, key, fds);
+        Py_XDECREF(fds); /* held by `held` */
+        if (rc < 0)
+            return -1;
+    }
+    item = Py_BuildValue("(OKK)", entry, (unsigned long long)st->stx_size,
+                         (unsigned long long)st->stx_blocks * 512);
+    rc = item == NULL ? -1 : PyList_Append(fds, item);
+    Py_XDECREF(item);
+    return rc;
+}
+
 /* One statx-ed fd: counted in the row of its object, or kept for a link read. With
  * `devices` (the host view), an fd on none of them is no object and one on them that no
- * row has becomes a row of its own. */
+ * row has becomes a row of its own. With `held`, each fd of a row and each regular file
+ * is also listed by its object. */
 static int
 add_fd(PyObject *entry, const struct fd_stat *got, PyObject *rows, PyObject *unmatched,
-       PyObject *devices, struct device_cache *cache)
+       PyObject *devices, PyObject *held, struct device_cache *cache)
 {
     PyObject *key, *row, *allocated;
     int rc = -1;
@@ -606,6 +793,9 @@ add_fd(PyObject *entry, const struct fd_stat *got, PyObject *rows, PyObject *unm
     if (key == NULL)
         return -1;
     row = PyDict_GetItemWithError(rows, key);
+    if (held != Py_None && !PyErr_Occurred() && (row != NULL || S_ISREG(got->st.stx_mode)) &&
+        hold(held, key, entry, &got->st) < 0)
+        goto done;
     if (row == NULL) {
         /* not a mapped object: a regular file (memfds and shm files are) may still be a
          * matched fd held unmapped, which its link tells */
@@ -631,7 +821,7 @@ done:
 }
 
 PyDoc_STRVAR(stat_fds_doc,
-"stat_fds(dir_fd, entries, rows, deadline, devices=None, /)\n--\n\n"
+"stat_fds(dir_fd, entries, rows, deadline, devices=None, held=None, /)\n--\n\n"
 "statx every fd named in `entries` (a list of bytes) of the open /proc/PID/fd directory\n"
 "`dir_fd`, and count each fd that refers to an object of `rows` (as maps_objects returns\n"
 "them) in its row: its fds, and from the first its allocated bytes (st_blocks * 512).\n"
@@ -643,27 +833,34 @@ PyDoc_STRVAR(stat_fds_doc,
 "host view: fds on none of those devices are skipped, a row's first fd also fills in its\n"
 "length, mtime and ctime, and a regular file that no row has gets a row of its own\n"
 "([None, None, 0, 0, fds, allocated, None, (entry, 1), False, size, mtime, ctime]);\n"
-"only fds the kernel refused to stat are returned.");
+"only fds the kernel refused to stat are returned.\n\n"
+"With `held` (a dict; inspect), each fd counted in a row and each regular file is also\n"
+"listed by its object: held[key] is a list of (entry, st_size, st_blocks * 512).");
 
 static PyObject *
 stat_fds(PyObject *Py_UNUSED(module), PyObject *args)
 {
     int dir_fd;
     PyObject *entries, *rows, *deadline_arg, *batch[BATCH], *unmatched, *devices = Py_None;
+    PyObject *held = Py_None;
     double deadline = 0;
     Py_ssize_t total, first, i, n, read = 0;
     struct fd_stat *got;
     struct device_cache cache = {0, 0, 0, 0};
     unsigned int wanted;
 
-    if (!PyArg_ParseTuple(args, "iO!O!O|O:stat_fds", &dir_fd, &PyList_Type, &entries,
-                          &PyDict_Type, &rows, &deadline_arg, &devices))
+    if (!PyArg_ParseTuple(args, "iO!O!O|OO:stat_fds", &dir_fd, &PyList_Type, &entries,
+                          &PyDict_Type, &rows, &deadline_arg, &devices, &held))
         return NULL;
+    if (held != Py_None && !PyDict_CheckExact(held)) {
+        PyErr_SetString(PyExc_TypeError, "held must be a dict or None");
+        return NULL;
+    }
     if (devices != Py_None && !PyAnySet_Check(devices)) {
         PyErr_SetString(PyExc_TypeError, "devices must be a set of ints or None");
         return NULL;
     }
-    wanted = devices == Py_None ? WANTED : WANTED_HOST;
+    wanted = (devices == Py_None ? WANTED : WANTED_HOST) | (held == Py_None ? 0 : STATX_SIZE);
     if (deadline_arg != Py_None) {
         deadline = PyFloat_AsDouble(deadline_arg);
         if (deadline == -1.0 && PyErr_Occurred())
@@ -698,7 +895,7 @@ stat_fds(PyObject *Py_UNUSED(module), PyObject *args)
                                  wanted, &got[i].st) == 0 ? 0 : errno;
         Py_END_ALLOW_THREADS
         for (i = 0; i < n; i++) {
-            if (add_fd(batch[i], &got[i], rows, unmatched, devices, &cache) < 0) {
+            if (add_fd(batch[i], &got[i], rows, unmatched, devices, held, &cache) < 0) {
                 for (; i < n; i++)
                     Py_DECREF(batch[i]);
                 goto fail;

@@ -12,6 +12,7 @@ def maps_objects(
     needles: tuple[bytes, ...],
     names: dict[bytes, Any],
     devices: set[int] | frozenset[int] | None = None,
+    detail: int = 0,
     /,
 ) -> tuple[dict[Key, Row], list[Key]]: ...
 def stat_fd(dir_fd: int, name: bytes, /) -> tuple[Identity, int, int]: ...
@@ -21,6 +22,7 @@ def stat_fds(
     rows: dict[Key, Row],
     deadline: float | None,
     devices: set[int] | frozenset[int] | None = None,
+    held: dict[Key, list[tuple[bytes, int, int]]] | None = None,
     /,
 ) -> tuple[list[bytes], int]: ...
 def pool_totals(rows: dict[Key, Row], /) -> dict[Any, list[int]]: ...
