@@ -403,7 +403,7 @@ def test_a_refusal_carries_its_figures() -> None:
 def test_an_oserror_becomes_a_typed_failure_with_its_figures() -> None:
     import errno
 
-    from hostpool.memory.failures import failure_from_oserror
+    from hostpool.memory.kernel import failure_from_oserror
 
     space = failure_from_oserror(OSError(errno.ENOSPC, "full"), "sizing", 5 * MiB)
     assert (space.reason, space.need_bytes, space.available_bytes) == ("no_space", 5 * MiB, None)

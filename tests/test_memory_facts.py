@@ -12,8 +12,13 @@ import torch
 from hostpool.core.budget import FixedBudget
 from hostpool.errors import AllocationError, InvalidRequestError
 from hostpool.memory import kernel, syscalls
-from hostpool.memory.facts import RegionFacts, holder_over_tensor, region_over
-from hostpool.memory.foreign import FOREIGN_BACKEND, adopt
+from hostpool.memory.holders import (
+    FOREIGN_BACKEND,
+    RegionFacts,
+    adopt,
+    holder_over_tensor,
+    region_over,
+)
 from hostpool.memory.options import RegionOptions
 
 

@@ -14,7 +14,7 @@ import torch
 from hostpool.core.allocators import ShmHostTensorAllocator
 from hostpool.core.ledger import get_ledger
 from hostpool.integrations.vllm.recording import Populate, VllmRegion, record_region
-from hostpool.memory.facts import RegionFacts
+from hostpool.memory.holders import RegionFacts
 from hostpool.memory.interface import RegionLike
 from hostpool.memory.region import Region
 from hostpool.metrics import measure

@@ -26,7 +26,7 @@ from hostpool.base.locks import ForkSafeLock
 from hostpool.base.units import format_size
 from hostpool.errors import AllocationError, InvalidRequestError
 from hostpool.memory import cgroup, kernel
-from hostpool.memory.failures import failure_from_oserror
+from hostpool.memory.kernel import failure_from_oserror
 from hostpool.words import FailureReason
 
 # The `limit` label of hostpool_budget_bytes: every limit that can bind.

@@ -16,9 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from hostpool.errors import AllocationError, HugepageUnavailableError
-from hostpool.memory import cuda, failures, kernel, populate, shm, syscalls
-from hostpool.memory.facts import RegionFacts, holder_over_tensor, region_over
-from hostpool.memory.holders import holder_type
+from hostpool.memory import cuda, kernel, populate, shm, syscalls
+from hostpool.memory.holders import RegionFacts, holder_over_tensor, holder_type, region_over
 from hostpool.memory.hugepages import HugepagePlan, plan_hugepages, required_message
 from hostpool.memory.options import RegionOptions
 from hostpool.memory.region import Region, RegionMapping
@@ -170,7 +169,7 @@ def create_region(
                 reason="no_space",
             ) from exc
         if isinstance(exc, OSError):
-            raise failures.failure_from_oserror(exc, f"allocating {nbytes} bytes", nbytes) from exc
+            raise kernel.failure_from_oserror(exc, f"allocating {nbytes} bytes", nbytes) from exc
         raise
 
 

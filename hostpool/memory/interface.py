@@ -5,7 +5,7 @@ leak reports), whoever made its memory.
 Two kinds implement it, each on its own (no shared base class, so neither can inherit a
 member whose meaning is the other's):
 - `memory.region.Region`: hostpool's own mappings (memfd, /dev/shm file, anonymous mmap,
-  torch), and memory another allocator owns (`memory.foreign`: sglang's mooncake,
+  torch), and memory another allocator owns (`memory.holders.adopt`: sglang's mooncake,
   tensorcast, mori; vLLM's `torch.zeros` fallback), which hostpool holds by a holder;
 - `integrations.vllm.recording.VllmRegion`: vLLM's `SharedOffloadRegion`, whose fd and
   mapping stay vLLM's (hostpool only watches them).

@@ -11,7 +11,7 @@ import torch
 
 from hostpool.core.allocators import MmapHostTensorAllocator, ShmHostTensorAllocator
 from hostpool.errors import AllocationError
-from hostpool.memory.failures import failure_from_oserror
+from hostpool.memory.kernel import failure_from_oserror
 
 
 def alloc_shm(

@@ -129,7 +129,7 @@ class ForeignOwner:
 
     def record(self, tensor: Any, pool: str) -> Any:
         from hostpool.core.ledger import get_ledger
-        from hostpool.memory.foreign import adopt
+        from hostpool.memory.holders import adopt
 
         ledger = get_ledger()
         region, view = adopt(tensor, pool, ledger.unmapped_callback())

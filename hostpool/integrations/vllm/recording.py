@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from hostpool.base import events
 from hostpool.integrations.vllm import internals as vllm_internals
-from hostpool.memory.facts import RegionFacts
+from hostpool.memory.holders import RegionFacts
 from hostpool.memory.interface import RegionLike
 from hostpool.memory.region import dup_if_same
 
@@ -229,7 +229,7 @@ def record_tensor(tensor: Any, owner: int) -> Any:
     """Record a CPU tensor vLLM made as a foreign region of `owner`; returns the view
     over it that vLLM keeps instead."""
     from hostpool.core.ledger import get_ledger
-    from hostpool.memory.foreign import adopt
+    from hostpool.memory.holders import adopt
 
     ledger = get_ledger()
     region, view = adopt(tensor, POOL, ledger.unmapped_callback())
