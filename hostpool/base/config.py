@@ -15,7 +15,7 @@ import json
 import os
 import stat
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, TypedDict, Unpack, cast
 
 from hostpool.errors import ConfigError
 
@@ -50,17 +50,20 @@ def load_mapping(value: object, *, what: str = "config") -> dict[str, Any]:
     return _require_mapping(data, what)
 
 
-def open_regular(
-    path: str,
-    *,
-    what: str,
-    limit: int = MAX_FILE_BYTES,
-    check: Callable[[os.stat_result], str | None] | None = None,
-) -> int:
+class FileRules(TypedDict, total=False):
+    """What a file must be besides regular: at most `limit` bytes (MAX_FILE_BYTES), and
+    whatever `check` (given its fstat) says is wrong with it (None: nothing)."""
+
+    limit: int
+    check: Callable[[os.stat_result], str | None] | None
+
+
+def open_regular(path: str, *, what: str, **rules: Unpack[FileRules]) -> int:
     """An fd of the regular file at `path`, opened with O_NONBLOCK (a FIFO or a device
     never holds the caller); the caller closes it. Raises ConfigError naming `what` and
     the path when it cannot be opened, is not a regular file, is over `limit` bytes, or
     `check` (given its fstat) returns what is wrong with it."""
+    limit, check = rules.get("limit", MAX_FILE_BYTES), rules.get("check")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except OSError as exc:
@@ -83,16 +86,11 @@ def open_regular(
     return fd
 
 
-def read_file(
-    path: str,
-    *,
-    what: str,
-    limit: int = MAX_FILE_BYTES,
-    check: Callable[[os.stat_result], str | None] | None = None,
-) -> bytes:
+def read_file(path: str, *, what: str, **rules: Unpack[FileRules]) -> bytes:
     """The bytes of the regular file at `path`, at most `limit` (see `open_regular`).
     Raises ConfigError naming `what` and the path when it cannot be read."""
-    fd = open_regular(path, what=what, limit=limit, check=check)
+    fd = open_regular(path, what=what, **rules)
+    limit = rules.get("limit", MAX_FILE_BYTES)
     chunks: list[bytes] = []
     size = 0
     try:

@@ -12,6 +12,11 @@ from hostpool.cli.command import Subcommand
 from hostpool.cli.exitcodes import INVALID, NOT_NOW, OK
 
 
+def _size(group: argparse._ActionsContainer, flag: str, default: str, text: str) -> None:
+    """A flag that takes a byte size (parsed where it is used, to name the flag)."""
+    group.add_argument(flag, default=default, metavar="SIZE", help=f"{text} (default {default})")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Its flags."""
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -23,13 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "if free, else THP or 4 KiB pages), off, or required (a check: exit 1 when too few "
         "hugepages of --hugepage-size are free)",
     )
-    p.add_argument(
-        "--hugepage-size",
-        default="2MB",
-        metavar="SIZE",
-        help="the hugetlb page size to check, e.g. 2MB or 1GB (default 2MB)",
-    )
-    p.add_argument("--need", default="0", help="bytes a pool needs, e.g. 64GiB")
+    _size(p, "--hugepage-size", "2MB", "the hugetlb page size to check, e.g. 2MB or 1GB")
+    _size(p, "--need", "0", "bytes a pool needs, e.g. 64GiB")
     k8s = p.add_argument_group(
         "Kubernetes",
         "--kubernetes: the pod resources the pools of --config FILE or of an engine command "
@@ -38,18 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     k8s.add_argument("--kubernetes", action="store_true", help="size a pod (see above)")
     k8s.add_argument("--config", metavar="FILE", help="a hostpool serve config's pools")
-    k8s.add_argument(
-        "--engine-memory",
-        default="0",
-        metavar="SIZE",
-        help="the engine's own memory besides its pools, added to the memory limit (0)",
-    )
-    k8s.add_argument(
-        "--shm-extra",
-        default="0",
-        metavar="SIZE",
-        help="room in /dev/shm for the engine's other files (NCCL, torch), besides its pools (0)",
-    )
+    memory = "the engine's own memory besides its pools, added to the memory limit"
+    _size(k8s, "--engine-memory", "0", memory)
+    _size(k8s, "--shm-extra", "0", "room in /dev/shm for the engine's other files (NCCL...)")
     k8s.add_argument("--container", default="engine", help="the engine container's name")
     k8s.add_argument(
         "engine_command",

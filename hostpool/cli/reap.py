@@ -201,11 +201,5 @@ def summary(planned: Plan, rows: list[tuple[HostObject, str, str]], *, dry_run: 
     return text
 
 
-COMMAND = Subcommand(
-    name="reap",
-    help="remove orphaned shared memory no process holds (dry run unless --yes)",
-    description=__doc__,
-    add_arguments=add_arguments,
-    run=run,
-    raw_description=True,
-)
+HELP = "remove orphaned shared memory no process holds (dry run unless --yes)"
+COMMAND = Subcommand("reap", HELP, __doc__, add_arguments, run, raw_description=True)
