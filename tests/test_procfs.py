@@ -118,8 +118,8 @@ def test_mappings_with_usage_match_the_kernels_residency(memfd: tuple[str, int])
         view = ctypes.c_char.from_buffer(mm)
         address = ctypes.addressof(view)
         del view  # a live buffer export would stop mm.close()
-        (plain,) = [m for m in procfs.shm_mappings("self") if m.name.name == name]
-        (used,) = [m for m in procfs.shm_mappings("self", usage=True) if m.name.name == name]
+        (plain,) = [m for m in procgroup.shm_mappings("self") if m.name.name == name]
+        (used,) = [m for m in procgroup.shm_mappings("self", usage=True) if m.name.name == name]
         assert helpers.mincore_resident(address, MiB) == 5 * PAGE
     st = os.fstat(fd)
     assert (plain.start, plain.size, plain.offset, plain.kind) == (address, MiB, 0, "memfd")
@@ -136,7 +136,7 @@ def test_one_mmap_split_into_vmas_is_one_mapping(memfd: tuple[str, int]) -> None
         mm.madvise(mmap.MADV_DONTFORK, 0, 4 * PAGE)  # new VM flags: the VMA splits
         mm2 = mmap.mmap(fd, MiB)  # a second, separate mapping
         try:
-            process = procfs.read_process("self", (name,))
+            process = procgroup.read_process("self", (name,))
             assert len(process.mappings) == 3
             (obj,) = procgroup.group_objects(process)
             assert sorted(len(m) for m in obj.mappings) == [1, 2]
@@ -157,7 +157,7 @@ def test_hugetlb_pages_count_as_resident(hugepages_2m: int) -> None:
         os.ftruncate(fd, size)
         with mmap.mmap(fd, size) as mm:
             mm[0] = 1
-            (m,) = [m for m in procfs.shm_mappings("self", usage=True) if m.name.name == name]
+            (m,) = [m for m in procgroup.shm_mappings("self", usage=True) if m.name.name == name]
             assert m.usage is not None
             assert m.usage.rss == 0  # hugetlb pages are not in Rss
             assert m.usage.resident_bytes == size
@@ -169,12 +169,12 @@ def test_hugetlb_pages_count_as_resident(hugepages_2m: int) -> None:
 def test_missing_and_forbidden_processes_raise_distinct_errors(root: None) -> None:
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
     with pytest.raises(procfs.ProcessNotFoundError):
-        procfs.read_process(pid_max + 1)
+        procgroup.read_process(pid_max + 1)
     with pytest.raises(procfs.ProcessNotFoundError):
         procfs.check_readable(pid_max + 1)
 
     def read_pid1() -> str:
-        for attempt in (lambda: procfs.shm_fds(1), lambda: procfs.shm_mappings(1)):
+        for attempt in (lambda: procfs.shm_fds(1), lambda: procgroup.shm_mappings(1)):
             try:
                 attempt()
             except procfs.ProcessAccessError as exc:
@@ -220,12 +220,11 @@ def test_scan_finds_other_processes_by_prefix() -> None:
 
 def test_maps_lines_of_named_anonymous_regions_parse() -> None:
     """The kernel here lacks CONFIG_ANON_VMA_NAME, so parse lines as they appear elsewhere."""
-    anon = procfs.parse_maps_line(
-        "7f0000000000-7f0000200000 rw-p 00000000 00:00 0    [anon:hostpool.kv.12.3]"
+    (anon,) = procgroup.parse_maps(
+        b"7f0000000000-7f0000200000 rw-p 00000000 00:00 0    [anon:hostpool.kv.12.3]"
     )
-    assert anon is not None
     assert (anon.kind, anon.name.pool, anon.size, anon.ino) == ("anon", "kv", 2 * MiB, 0)
-    assert procfs.parse_maps_line("7f00-7f01 r--p 00000000 fe:00 29775  /usr/lib/x.so") is None
+    assert procgroup.parse_maps(b"7f00-7f01 r--p 00000000 fe:00 29775  /usr/lib/x.so") == []
 
 
 def test_a_process_reaped_between_opening_and_listing_its_fds_is_not_found() -> None:
@@ -301,7 +300,7 @@ def holder() -> Iterator[tuple[str, subprocess.Popen[str]]]:
 
 def _detailed(pid: int, prefix: str) -> dict[str, tuple[int, int, int]]:
     """(open fds, logical mappings, mapped bytes) per pool from the detailed reader."""
-    objects = procgroup.group_objects(procfs.read_process(pid, (prefix,), usage=False))
+    objects = procgroup.group_objects(procgroup.read_process(pid, (prefix,), usage=False))
     return {u.pool: (u.open_fds, u.mappings, u.mapped_bytes) for u in procgroup.pool_usage(objects)}
 
 
@@ -347,7 +346,7 @@ def test_resident_bytes_are_the_pages_the_object_holds(memfd: tuple[str, int]) -
         assert row[scan.ROW_ALLOCATED] == st.st_blocks * 512 == 7 * PAGE
         (totals,) = procgroup.holdings_totals(holdings).values()
         assert totals.resident_bytes == 4 * PAGE
-        (m,) = [m for m in procfs.shm_mappings("self", (name,), usage=True)]
+        (m,) = [m for m in procgroup.shm_mappings("self", (name,), usage=True)]
         assert m.usage is not None and m.usage.rss == 0  # what smaps would have said
         mm[0] = 1  # does not change the object's page count
 
@@ -362,7 +361,7 @@ def test_hugetlb_objects_are_resident_in_whole_pages(hugepages_2m: int) -> None:
             mm[0] = 1
             holdings = scan.read_holdings("self", scan.Matcher((name,)))
             (totals,) = procgroup.holdings_totals(holdings).values()
-            (m,) = [m for m in procfs.shm_mappings("self", (name,), usage=True)]
+            (m,) = [m for m in procgroup.shm_mappings("self", (name,), usage=True)]
             assert m.usage is not None
             assert totals.resident_bytes == m.usage.resident_bytes == size
     finally:

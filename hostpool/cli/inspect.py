@@ -96,7 +96,7 @@ def _loop(pid: int, prefixes: Sequence[str], args: argparse.Namespace) -> int:
 
 def report(pid: int, prefixes: Sequence[str]) -> dict[str, Any]:
     """The JSON document: per-pool totals, every object, and the findings."""
-    objects = procgroup.group_objects(procfs.read_process(pid, prefixes))
+    objects = procgroup.group_objects(procgroup.read_process(pid, prefixes))
     return {
         "pid": pid,
         "command": procfs.command_name(pid),

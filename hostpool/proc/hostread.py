@@ -14,19 +14,28 @@ from __future__ import annotations
 import os
 from collections.abc import Collection
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Final, Literal
 
 from hostpool.proc import bulkread
 from hostpool.proc.procfs import (
     GONE,
+    FdDir,
     Pid,
     ProcessAccessError,
     ProcessNotFoundError,
-    open_fd_dir,
     read_proc_bytes,
+    walk,
 )
-from hostpool.proc.scan import ROW_ALLOCATED, ROW_MATCH, ROW_PATH, Key, Row
+from hostpool.proc.scan import (
+    ROW_ALLOCATED,
+    ROW_MATCH,
+    ROW_PATH,
+    ROW_SMAPS,
+    SMAPS,
+    Key,
+    Row,
+)
 
 # a host row: the exporter's seven fields (hostpool.proc.scan.ROW_*), then these
 HROW_VIA, HROW_SHARED, HROW_SIZE, HROW_MTIME, HROW_CTIME = range(7, 12)
@@ -142,7 +151,10 @@ class HostReader:
     def read(self, pid: Pid, *, deadline: float | None = None) -> ProcessObjects:
         """Every object on the devices that `pid` maps or holds an fd for. Raises
         ProcessNotFoundError / ProcessAccessError like the other readers."""
-        data = read_proc_bytes(pid, f"/proc/{pid}/maps")
+        pid_read, rows, complete = walk(pid, self._mapped, partial(self._held, deadline))
+        return ProcessObjects(pid_read, rows, complete)
+
+    def _mapped(self, data: bytes) -> dict[Key, Row]:
         rows, unnamed = bulkread.maps_objects(data, (), self.paths, self.devices)
         for key in unnamed:
             row = rows[key]
@@ -150,23 +162,15 @@ class HostReader:
             if info is None:
                 info = self.paths[row[ROW_PATH]] = classify(row[ROW_PATH])
             row[ROW_MATCH] = info
-        fd_dir, dir_fd = open_fd_dir(pid)
-        try:
-            try:
-                entries = os.listdir(os.fsencode(fd_dir))
-            except GONE:
-                raise ProcessNotFoundError(pid) from None
-            except PermissionError:
-                raise ProcessAccessError(pid, fd_dir) from None
-            _refused, read = bulkread.stat_fds(dir_fd, entries, rows, deadline, self.devices)
-            # fd-only objects: named by their link, once per object
-            for key, row in list(rows.items()):
-                if row[ROW_MATCH] is None:
-                    self._name_by_link(pid, fd_dir, dir_fd, key, row, rows)
-        finally:
-            os.close(dir_fd)
-        real_pid = os.getpid() if pid == "self" else pid
-        return ProcessObjects(real_pid, rows, read == len(entries))
+        return rows
+
+    def _held(self, deadline: float | None, rows: dict[Key, Row], fd_dir: FdDir) -> bool:
+        _refused, read = bulkread.stat_fds(fd_dir.fd, fd_dir.entries, rows, deadline, self.devices)
+        # fd-only objects: named by their link, once per object
+        for key, row in list(rows.items()):
+            if row[ROW_MATCH] is None:
+                self._name_by_link(fd_dir.pid, fd_dir.path, fd_dir.fd, key, row, rows)
+        return read == len(fd_dir.entries)
 
     def _name_by_link(
         self, pid: Pid, fd_dir: str, dir_fd: int, key: Key, row: Row, rows: dict[Key, Row]
@@ -197,31 +201,15 @@ def map_files_stat(pid: int, via: bytes) -> os.stat_result | None:
 
 
 def smaps_resident(pid: int, keys: Collection[Key]) -> dict[Key, int]:
-    """Rss + hugetlb pages of `pid`'s VMAs of the objects `keys`, from smaps (for those
-    map_files refused). Lines split on `\\n` only; a process gone gives {}."""
+    """Rss + hugetlb pages of `pid`'s VMAs of the objects `keys` (identities), from smaps
+    (for those map_files refused), parsed in C as maps is. A process gone gives {}."""
+    devices = {os.makedev(key[1], key[2]) for key in keys if not isinstance(key, bytes)}
     try:
         data = read_proc_bytes(pid, f"/proc/{pid}/smaps")
     except (ProcessNotFoundError, ProcessAccessError):
         return {}
-    out: dict[Key, int] = {}
-    current: Key | None = None
-    for line in data.split(b"\n"):
-        if not line:
-            continue
-        if line[:1] in b"0123456789abcdef" and b"-" in line[:17]:
-            fields = line.split(b" ", 5)
-            current = None
-            if len(fields) >= 5:
-                major, _, minor = fields[3].partition(b":")
-                ino = int(fields[4])
-                path = fields[5].lstrip(b" ") if len(fields) > 5 else b""
-                key: Key = (ino, int(major, 16), int(minor, 16)) if ino else path
-                current = key if key in keys else None
-        elif current is not None and (
-            line.startswith(b"Rss:") or line.startswith((b"Shared_Hugetlb:", b"Private_Hugetlb:"))
-        ):
-            out[current] = out.get(current, 0) + int(line.split()[1]) * 1024
-    return out
+    rows, _unnamed = bulkread.maps_objects(data, (), {}, devices, SMAPS)
+    return {key: row[ROW_SMAPS] for key, row in rows.items() if key in keys}
 
 
 def held_bytes(row: Row) -> int | None:

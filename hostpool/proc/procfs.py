@@ -1,7 +1,11 @@
 """Shared-memory fds and mappings of any process, read from /proc.
 
-OS layer: parsing only (no policy, metrics or logging configuration). Used by
-`hostpool inspect`, `hostpool exporter` and the pytest leak check.
+OS layer: reading only (no policy, metrics or logging configuration). `walk` is the one
+way a process is read (its maps, then its fd directory against what maps showed): the
+exporter's reader (`scan.read_holdings`, which `inspect` reads through too:
+`procgroup.read_process`) and the host view's (`hostread`) both go through it; the lines
+and fds themselves are parsed and stat-ed in C (`bulkread`). The pytest leak check lists
+fds here (`shm_fds`).
 
 What /proc shows for shared memory:
 - fds: `/proc/PID/fd/N` links to `/memfd:NAME (deleted)` (memfd, hugetlb memfds too) or to
@@ -17,19 +21,18 @@ A process that exits while it is read raises ProcessNotFoundError from any step 
 or ESRCH); scans skip it. Names are returned as /proc shows them (undecodable bytes as
 surrogate escapes): printing them is the presentation's job (`hostpool.proc.textsafe`).
 
-Maps and smaps lines end at `\n` only, fields are split at spaces only (as bulkread.c
-does): the kernel writes a name as it is but for `\n` (`\012`), so `str.splitlines()`
-(also `\r \x0b \x0c \x1c-\x1e \x85 \u2028`) would let a memfd's name forge lines.
+Maps and smaps lines end at `\n` only, fields are split at spaces only (bulkread.c, the
+one parser of them): the kernel writes a name as it is but for `\n` (`\012`), so
+`str.splitlines()` (also `\r \x0b \x0c \x1c-\x1e \x85 \u2028`) would let a memfd's name
+forge lines.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 from hostpool.errors import HostPoolError
 from hostpool.proc.names import (
@@ -190,6 +193,9 @@ class ShmMapping:
     kind: Kind
     name: ShmName
     usage: Usage | None = None  # set when read from smaps
+    # which of its object's logical mappings in the process it belongs to (the VMAs one
+    # mmap was split into share one), as bulkread joined them
+    mapping: int = 0
 
     @property
     def size(self) -> int:
@@ -198,29 +204,6 @@ class ShmMapping:
     @property
     def address(self) -> str:
         return f"{self.start:x}-{self.end:x}"
-
-
-def shm_mappings(
-    pid: Pid, prefixes: Sequence[str] = KNOWN_PREFIXES, *, usage: bool = False
-) -> list[ShmMapping]:
-    """VMAs of objects whose name starts with a prefix, by address.
-
-    `usage=True` reads smaps instead of maps: the kernel then walks the page tables of
-    every VMA of the process (slow for large populated mappings), so ask only when
-    needed.
-    """
-    path = f"/proc/{pid}/{'smaps' if usage else 'maps'}"
-    text = read_proc_text(pid, path)
-    if not any(p in text for p in prefixes):
-        return []
-    if usage:
-        return _parse_smaps(text, prefixes)
-    out = []
-    for line in text.split("\n"):
-        mapping = parse_maps_line(line, prefixes) if any(p in line for p in prefixes) else None
-        if mapping is not None:
-            out.append(mapping)
-    return out
 
 
 def shm_maps_lines(pid: Pid, prefixes: Sequence[str] = KNOWN_PREFIXES) -> list[str]:
@@ -272,80 +255,46 @@ def read_proc_bytes(pid: Pid, path: str) -> bytes:
         raise ProcessAccessError(pid, path) from None
 
 
-def read_proc_text(pid: Pid, path: str) -> str:
-    return read_proc_bytes(pid, path).decode(errors="surrogateescape")
+# -- the walk -----------------------------------------------------------------------------
+
+T = TypeVar("T")
 
 
-# `start-end perms offset major:minor inode  path` (proc(5)), as bulkread.c parses it
-_MAPS_FIELDS: Final = re.compile(
-    r"([0-9a-f]{1,16})-([0-9a-f]{1,16}) ([^ ]+) ([0-9a-f]{1,16}) "
-    r"([0-9a-f]{1,16}):([0-9a-f]{1,16}) ([0-9]{1,20}) +(.+)",
-    re.DOTALL,
-)
+@dataclass(frozen=True, slots=True)
+class FdDir:
+    """A process's fd directory, open and listed: what a walk's fd step reads."""
+
+    pid: Pid
+    path: str  # /proc/PID/fd, for messages
+    fd: int  # the open directory: fds are read relative to it (no path walk per fd)
+    entries: list[bytes]  # its fd names, bytes: links come back as bytes, as maps paths do
 
 
-def parse_maps_line(line: str, prefixes: Sequence[str] = KNOWN_PREFIXES) -> ShmMapping | None:
-    """One line of /proc/PID/maps, if it maps a shm object whose name has a prefix."""
-    fields = _MAPS_FIELDS.fullmatch(line)
-    if fields is None:
-        return None
-    start, end, perms, offset, major, minor, inode, path = fields.groups()
-    classified = classify_path(path)
-    if classified is None:
-        return None
-    kind, object_name = classified
-    parsed = parse_name(object_name, prefixes)
-    if parsed is None:
-        return None
-    return ShmMapping(
-        start=int(start, 16),
-        end=int(end, 16),
-        perms=perms,
-        offset=int(offset, 16),
-        dev=os.makedev(int(major, 16), int(minor, 16)),
-        ino=int(inode),
-        kind=kind,
-        name=parsed,
-    )
-
-
-_USAGE_KEYS: Final = {
-    "Rss:": "rss",
-    "Shared_Hugetlb:": "shared_hugetlb",
-    "Private_Hugetlb:": "private_hugetlb",
-    "KernelPageSize:": "kernel_page_size",
-}
-_HEADER_START: Final = frozenset("0123456789abcdef")  # field lines start with a capital
-
-
-def _parse_smaps(text: str, prefixes: Sequence[str]) -> list[ShmMapping]:
-    out: list[ShmMapping] = []
-    current: ShmMapping | None = None
-    values: dict[str, int] = {}
-
-    def flush() -> None:
-        if current is not None:
-            out.append(_with_usage(current, values))
-
-    for line in text.split("\n"):
-        if not line:
-            continue
-        if line[0] in _HEADER_START:
-            flush()
-            current = parse_maps_line(line, prefixes) if any(p in line for p in prefixes) else None
-            values = {}
-        elif current is not None:
-            key, _, rest = line.partition(" ")
-            attr = _USAGE_KEYS.get(key)
-            if attr is not None:
-                values[attr] = int(rest.split()[0]) * 1024  # smaps reports kB
-    flush()
-    return out
-
-
-def _with_usage(mapping: ShmMapping, values: dict[str, int]) -> ShmMapping:
-    usage = Usage(**{attr: values.get(attr, 0) for attr in _USAGE_KEYS.values()})
-    return dataclasses.replace(mapping, usage=usage)
+def walk(
+    pid: Pid,
+    objects: Callable[[bytes], T],
+    fds: Callable[[T, FdDir], bool],
+    *,
+    maps: str = "maps",
+) -> tuple[int, T, bool]:
+    """The one way a process is read: `objects(data)` of its /proc/PID/`maps` file, then
+    `fds(those objects, its fd directory)`, which returns False when a deadline stopped it
+    part way. Returns (pid, objects, complete), `self` resolved. A process gone at any
+    step raises ProcessNotFoundError, one this user may not read ProcessAccessError (from
+    `objects` and `fds` too); the directory is closed whatever happens."""
+    found = objects(read_proc_bytes(pid, f"/proc/{pid}/{maps}"))
+    path, dir_fd = open_fd_dir(pid)
+    try:
+        try:
+            entries = os.listdir(os.fsencode(path))
+        except GONE:
+            raise ProcessNotFoundError(pid) from None
+        except PermissionError:
+            raise ProcessAccessError(pid, path) from None
+        complete = fds(found, FdDir(pid, path, dir_fd, entries))
+    finally:
+        os.close(dir_fd)
+    return (os.getpid() if pid == "self" else pid), found, complete
 
 
 # -- one process, grouped by object -----------------------------------------------------
@@ -358,18 +307,6 @@ class ProcessShm:
     pid: int
     fds: tuple[ShmFd, ...]
     mappings: tuple[ShmMapping, ...]
-
-
-def read_process(
-    pid: Pid, prefixes: Sequence[str] = KNOWN_PREFIXES, *, usage: bool = True
-) -> ProcessShm:
-    """Fds and VMAs of `pid` (smaps only if some VMA matched, to skip the page walk)."""
-    fds = shm_fds(pid, prefixes)
-    mappings = shm_mappings(pid, prefixes)
-    if usage and mappings:
-        mappings = shm_mappings(pid, prefixes, usage=True)
-    real_pid = os.getpid() if pid == "self" else pid
-    return ProcessShm(real_pid, tuple(fds), tuple(mappings))
 
 
 def check_readable(pid: int) -> None:

@@ -1,6 +1,8 @@
 """A process's shm, grouped: fds and mappings into objects (by inode), objects into
-pools, and the findings /proc alone can decide. Pure functions over `hostpool.proc.procfs`'s
-readings; `inspect`, the exporter and the leak check use them."""
+pools, and the findings /proc alone can decide. One process in detail (`read_process`,
+`hostpool inspect`) is read by the exporter's reader (`scan.read_holdings` with its
+`detail`): the same C parsing of maps and smaps, the same objects; `inspect`, the
+exporter and the leak check use these."""
 
 from __future__ import annotations
 
@@ -11,22 +13,30 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from hostpool.proc import bulkread
-from hostpool.proc.names import Kind, ShmName
+from hostpool.proc.hostread import key_identity
+from hostpool.proc.names import KNOWN_PREFIXES, Kind, ShmName
 from hostpool.proc.owners import Ignored, Owners, Reason, ignored_counts
 from hostpool.proc.procfs import (
+    Pid,
     ProcessAccessError,
     ProcessNotFoundError,
     ProcessShm,
     ShmFd,
     ShmMapping,
-    read_process,
+    Usage,
 )
 from hostpool.proc.scan import (
     ROW_ALLOCATED,
+    ROW_MATCH,
+    ROW_PATH,
+    ROW_VMAS,
+    VMAS,
     Holdings,
     Key,
     Matcher,
+    Row,
     fill_residency,
+    mapped_rows,
     read_holdings,
 )
 
@@ -91,19 +101,71 @@ def group_objects(process: ProcessShm) -> list[ShmObject]:
 
 
 def _logical_mappings(vmas: Iterable[ShmMapping]) -> Iterator[tuple[ShmMapping, ...]]:
-    """Join VMAs that one mmap() was split into (madvise, mprotect): adjacent in memory
-    and in the file. What remains separate is a distinct mapping of the object."""
-    run: list[ShmMapping] = []
+    """The VMAs one mmap() was split into (madvise, mprotect) as one mapping, as
+    bulkread joined them (`ShmMapping.mapping`); by address."""
+    runs: dict[int, list[ShmMapping]] = {}
     for vma in sorted(vmas, key=lambda v: v.start):
-        if run and not (
-            run[-1].end == vma.start
-            and (vma.kind == "anon" or run[-1].offset + run[-1].size == vma.offset)
-        ):
-            yield tuple(run)
-            run = []
-        run.append(vma)
-    if run:
+        runs.setdefault(vma.mapping, []).append(vma)
+    for run in runs.values():
         yield tuple(run)
+
+
+# -- one process in detail (inspect, the leak check) ------------------------------------
+
+
+def read_process(
+    pid: Pid, prefixes: Sequence[str] = KNOWN_PREFIXES, *, usage: bool = True
+) -> ProcessShm:
+    """The matched fds and VMAs of `pid`, by fd and by address, through the exporter's
+    reader (smaps, a page-table walk, only if some object matched and `usage`). Raises
+    ProcessNotFoundError / ProcessAccessError."""
+    matcher = Matcher(prefixes)
+    read = read_holdings(pid, matcher, detail="smaps" if usage else "maps")
+    fds: list[ShmFd] = []
+    for key, row in read.rows.items():
+        target = row[ROW_PATH].decode(errors="surrogateescape")  # as maps spells it
+        fds.extend(_fds(read, key, target, row[ROW_MATCH][0], row[ROW_MATCH][1]))
+    for key, (link, name, _count) in read.unmapped_fds.items():
+        match = matcher.lookup(link)
+        kind: Kind = match[0] if match is not None else "file"
+        fds.extend(_fds(read, key, link.decode(errors="surrogateescape"), kind, name))
+    fds.sort(key=lambda f: f.fd)
+    return ProcessShm(read.pid, tuple(fds), tuple(_vmas(read.rows)))
+
+
+def shm_mappings(
+    pid: Pid, prefixes: Sequence[str] = KNOWN_PREFIXES, *, usage: bool = False
+) -> list[ShmMapping]:
+    """The matched VMAs of `pid`, by address (with smaps' usage when `usage`)."""
+    return list(read_process(pid, prefixes, usage=usage).mappings)
+
+
+def parse_maps(data: bytes, prefixes: Sequence[str] = KNOWN_PREFIXES) -> list[ShmMapping]:
+    """The VMAs of matched objects in maps text (lines split at `\\n` only), by address."""
+    return _vmas(mapped_rows(data, Matcher(prefixes), VMAS))
+
+
+def _identity(key: Key) -> tuple[int, int]:
+    """(st_dev, st_ino) of a row's key; (0, 0) for an inode-less object (a path)."""
+    return key_identity(key) or (0, 0)
+
+
+def _fds(read: Holdings, key: Key, target: str, kind: Kind, name: ShmName) -> Iterator[ShmFd]:
+    dev, ino = _identity(key)
+    for entry, size, allocated in read.held.get(key, ()):
+        yield ShmFd(int(entry), target, kind, name, dev, ino, size, allocated)
+
+
+def _vmas(rows: dict[Key, Row]) -> list[ShmMapping]:
+    out = []
+    for key, row in rows.items():
+        dev, ino = _identity(key)
+        kind, name, _pool = row[ROW_MATCH]
+        for i, mapping in enumerate(row[ROW_VMAS]):
+            for start, end, offset, perms, usage in mapping:
+                used = Usage(*usage) if usage is not None else None
+                out.append(ShmMapping(start, end, perms, offset, dev, ino, kind, name, used, i))
+    return sorted(out, key=lambda m: m.start)
 
 
 # -- per-pool totals and what /proc alone can flag --------------------------------------

@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from hostpool.errors import ConfigError
@@ -15,12 +14,13 @@ from hostpool.proc import bulkread
 from hostpool.proc.names import Kind, ShmName, classify_path, parse_name
 from hostpool.proc.procfs import (
     GONE,
+    FdDir,
     Pid,
     ProcessAccessError,
     ProcessNotFoundError,
     contains,
-    open_fd_dir,
     read_proc_bytes,
+    walk,
 )
 
 #
@@ -37,14 +37,20 @@ PoolKey = tuple[str, str]  # (prefix, pool)
 Match = tuple[Kind, ShmName, PoolKey]  # what a path names
 # A row per mapped object, what a read knows of it (filled in by bulkread and here):
 # [path, match, mappings, mapped_bytes, fds, allocated_bytes or None, smaps_resident or None]
+# and, in a detailed read, one more: its logical mappings, each a list of its VMAs
+# (start, end, offset, perms, usage), usage (rss, shared_hugetlb, private_hugetlb,
+# kernel_page_size) from smaps, else None
 Row = list[Any]
 ROW_PATH, ROW_MATCH, ROW_MAPPINGS, ROW_MAPPED, ROW_FDS, ROW_ALLOCATED, ROW_SMAPS = range(7)
+ROW_VMAS: Final = -1
+# bulkread.maps_objects' `detail` flags: each row's VMAs; the data is smaps (usage)
+VMAS, SMAPS = 1, 2
+Detail = Literal["maps", "smaps"]
+Held = dict[Key, list[tuple[bytes, int, int]]]  # object -> (fd entry, st_size, allocated)
 
 _CHECK_EVERY: Final = 256  # fds between two looks at the deadline when links are read
 _STALE_SLACK: Final = 1024  # parsed paths a scan did not meet, kept without a clean-up
 _UNKNOWN: Final[Any] = object()
-# a smaps header line with a path: start, end, offset, major:minor, inode, path
-_MAPS_LINE: Final = rb"^([0-9a-f]+)-([0-9a-f]+) [^ \n]+ ([0-9a-f]+) ([0-9a-f]+:[0-9a-f]+) (\d+) +"
 
 
 class Matcher:
@@ -65,14 +71,7 @@ class Matcher:
             raise ConfigError("a Matcher needs non-empty prefixes")
         self.prefixes = tuple(prefixes)
         self.needles = tuple(p.encode(errors="surrogateescape") for p in self.prefixes)
-        # smaps headers whose path mentions a prefix (the regex engine skips the other
-        # lines and every `Name: value kB` line)
-        alternatives = b"|".join(re.escape(n) for n in self.needles)
-        self.smaps_line = re.compile(
-            _MAPS_LINE + rb"([^\n]*?(?:" + alternatives + rb")[^\n]*)$", re.MULTILINE
-        )
         self.parsed: dict[bytes, Match | None] = {}
-        self.devices: dict[bytes, tuple[int, int]] = {}  # `major:minor` -> ints
         self._kept = 0  # what `parsed` may hold before the next look at what is stale
 
     def mentions(self, data: bytes) -> bool:
@@ -92,21 +91,6 @@ class Matcher:
             hit = (classified[0], parsed, (parsed.prefix, parsed.pool))
         self.parsed[path] = hit
         return hit  # type: ignore[no-any-return]
-
-    def device(self, text: bytes) -> tuple[int, int]:
-        """(major, minor) of a maps `major:minor` field (few distinct values: cached)."""
-        dev = self.devices.get(text)
-        if dev is None:
-            major, _, minor = text.partition(b":")
-            dev = self.devices[text] = (int(major, 16), int(minor, 16))
-        return dev
-
-    def key(self, dev: bytes, ino: bytes, path: bytes) -> Key:
-        """The object a maps line maps: its identity, or its path when it has no inode."""
-        if ino == b"0":
-            return path
-        major, minor = self.device(dev)
-        return int(ino), major, minor
 
     def next_scan(
         self, read: Iterable[Holdings] = (), *, complete: bool = True, more: Iterable[bytes] = ()
@@ -137,6 +121,7 @@ class Holdings:
     # link, its name and how many fds refer to the object
     unmapped_fds: dict[Key, tuple[bytes, ShmName, int]]
     complete: bool  # False when the deadline stopped the reading part way
+    held: Held = field(default_factory=dict)  # a detailed read's fds, by object
 
 
 FdStrategy = Literal["auto", "stat", "link"]
@@ -148,6 +133,7 @@ def read_holdings(
     *,
     deadline: float | None = None,
     fds_by: FdStrategy = "auto",
+    detail: Detail | None = None,
 ) -> Holdings:
     """The matched objects `pid` maps and the matched fds it holds, with each mapped
     object's pages where one of its fds here tells them.
@@ -160,26 +146,37 @@ def read_holdings(
     fd per mapped object. Objects left without pages get them from `fill_residency`.
     `deadline` (a time.monotonic() value) stops the reading part way: `complete` is then
     False. Raises ProcessNotFoundError / ProcessAccessError like the other readers.
+
+    `detail` (`hostpool inspect`): "maps" gives each row its VMAs (`ROW_VMAS`) and lists
+    every fd by object (`held`; fds are then stat-ed); "smaps" also each VMA's usage,
+    from smaps (read only when some object matched).
     """
-    data = read_proc_bytes(pid, f"/proc/{pid}/maps")
-    rows = _mapped_rows(data, matcher) if matcher.mentions(data) else {}
-    fd_dir, dir_fd = open_fd_dir(pid)
-    try:
-        try:  # bytes names: links come back as bytes, as maps paths do
-            entries = os.listdir(os.fsencode(fd_dir))
-        except GONE:
-            raise ProcessNotFoundError(pid) from None
-        except PermissionError:
-            raise ProcessAccessError(pid, fd_dir) from None
-        reader = _FdReader(pid, fd_dir, dir_fd, matcher, rows)
-        if fds_by == "stat" or (fds_by == "auto" and rows and 4 * len(rows) >= len(entries)):
-            complete = reader.by_stat(entries, deadline)
-        else:
-            complete = reader.by_link(entries, deadline)
-    finally:
-        os.close(dir_fd)
-    real_pid = os.getpid() if pid == "self" else pid
-    return Holdings(real_pid, rows, reader.unmapped, complete)
+    held: Held | None = {} if detail else None
+    unmapped: Unmapped = {}
+
+    def objects(data: bytes) -> dict[Key, Row]:
+        if not matcher.mentions(data):
+            return {}
+        rows = mapped_rows(data, matcher, VMAS if detail else 0)
+        if detail == "smaps" and rows:  # the page-table walk only when something matched
+            rows = mapped_rows(read_proc_bytes(pid, f"/proc/{pid}/smaps"), matcher, VMAS | SMAPS)
+        return rows
+
+    def fds(rows: dict[Key, Row], fd_dir: FdDir) -> bool:
+        reader = _FdReader(fd_dir, matcher, rows, unmapped, held)
+        entries = fd_dir.entries
+        if held is not None:
+            complete = reader.by_stat(deadline)
+            reader.name_by_link()
+            return complete
+        if fds_by == "stat":
+            return reader.by_stat(deadline)
+        if fds_by == "auto" and rows and 4 * len(rows) >= len(entries):
+            return reader.by_stat(deadline)
+        return reader.by_link(deadline)
+
+    real_pid, rows, complete = walk(pid, objects, fds)
+    return Holdings(real_pid, rows, unmapped, complete, {} if held is None else held)
 
 
 def fill_residency(
@@ -208,10 +205,11 @@ def fill_residency(
     return True
 
 
-def _mapped_rows(data: bytes, matcher: Matcher) -> dict[Key, Row]:
-    """The rows of the matched objects that the maps file `data` maps (paths met before
-    are looked up in C; only new ones are parsed here)."""
-    rows, unnamed = bulkread.maps_objects(data, matcher.needles, matcher.parsed)
+def mapped_rows(data: bytes, matcher: Matcher, detail: int = 0) -> dict[Key, Row]:
+    """The rows of the matched objects that the maps (or smaps) text `data` maps (paths
+    met before are looked up in C; only new ones are parsed here); `detail` is
+    bulkread.maps_objects' (VMAS, SMAPS)."""
+    rows, unnamed = bulkread.maps_objects(data, matcher.needles, matcher.parsed, None, detail)
     for key in unnamed:
         row = rows[key]
         row[ROW_MATCH] = matcher.lookup(row[ROW_PATH])
@@ -224,17 +222,27 @@ Unmapped = dict[Key, tuple[bytes, ShmName, int]]
 
 
 class _FdReader:
-    """One process's fd directory, read against the rows of its mapped objects."""
+    """One process's fd directory, read against the rows of its mapped objects: the
+    matched fds that are none of them are counted in `unmapped`; with `held`, every fd
+    is listed by its object there too."""
 
     def __init__(
-        self, pid: Pid, fd_dir: str, dir_fd: int, matcher: Matcher, rows: dict[Key, Row]
+        self,
+        fd_dir: FdDir,
+        matcher: Matcher,
+        rows: dict[Key, Row],
+        unmapped: Unmapped,
+        held: Held | None,
     ) -> None:
-        self.pid, self.fd_dir, self.dir_fd = pid, fd_dir, dir_fd
-        self.matcher, self.rows = matcher, rows
-        self.unmapped: Unmapped = {}
+        self.pid, self.fd_dir, self.dir_fd = fd_dir.pid, fd_dir.path, fd_dir.fd
+        self.entries = fd_dir.entries
+        self.matcher, self.rows, self.unmapped, self.held = matcher, rows, unmapped, held
 
-    def by_stat(self, entries: list[bytes], deadline: float | None) -> bool:
-        unmatched, read = bulkread.stat_fds(self.dir_fd, entries, self.rows, deadline)
+    def by_stat(self, deadline: float | None) -> bool:
+        entries = self.entries
+        unmatched, read = bulkread.stat_fds(
+            self.dir_fd, entries, self.rows, deadline, None, self.held
+        )
         for entry in unmatched:
             # a regular file that is no mapped object (memfds and shm files are regular
             # files), or an fd its filesystem refused to stat (another user's FUSE mount,
@@ -243,8 +251,8 @@ class _FdReader:
             self._unmapped(entry)
         return read == len(entries)
 
-    def by_link(self, entries: list[bytes], deadline: float | None) -> bool:
-        rows, dir_fd, lookup = self.rows, self.dir_fd, self.matcher.lookup
+    def by_link(self, deadline: float | None) -> bool:
+        entries, rows, dir_fd, lookup = self.entries, self.rows, self.dir_fd, self.matcher.lookup
         needles = self.matcher.needles
         by_path: dict[bytes, list[Row]] = {}  # the fd links that name mapped objects
         for row in rows.values():
@@ -283,6 +291,19 @@ class _FdReader:
                 candidates[0][ROW_FDS] += 1  # same name, same pool
         return True
 
+    def name_by_link(self) -> None:
+        """A detailed read: the objects whose maps path may spell a newline (`\\012`)
+        named by an fd's link instead, which has the name as it is (as inspect shows
+        names)."""
+        assert self.held is not None
+        for key, row in self.rows.items():
+            fds = self.held.get(key)
+            if fds and b"\\012" in row[ROW_PATH]:
+                link = self._link(fds[0][0])
+                hit = self.matcher.lookup(link) if link is not None else None
+                if hit is not None:
+                    row[ROW_PATH], row[ROW_MATCH] = link, hit
+
     def _link(self, entry: bytes) -> bytes | None:
         try:
             return os.readlink(entry, dir_fd=self.dir_fd)
@@ -312,33 +333,13 @@ class _FdReader:
                 return  # closed since the listing
             except OSError:  # its filesystem refused a stat: its link stands for it
                 key = target
+                if self.held is not None:
+                    self.held.setdefault(key, []).append((entry, 0, 0))
         seen = self.unmapped.get(key)
         self.unmapped[key] = (target, name, 1 if seen is None else seen[2] + 1)
 
 
 def _smaps_resident(pid: Pid, matcher: Matcher, keys: set[Key]) -> dict[Key, int]:
-    """Rss + hugetlb pages of the VMAs of `keys` (each smaps entry is its maps line, then
-    `Name: value kB` fields, VmFlags last)."""
-    data = read_proc_bytes(pid, f"/proc/{pid}/smaps")
-    out: dict[Key, int] = {}
-    for m in matcher.smaps_line.finditer(data):
-        _start, _end, _offset, dev, ino, path = m.groups()
-        key = matcher.key(dev, ino, path)
-        if key not in keys:
-            continue
-        stop = data.find(b"\nVmFlags:", m.end())
-        stop = len(data) if stop < 0 else stop
-        resident = sum(
-            _smaps_field(data, field, m.end(), stop)
-            for field in (b"\nRss:", b"\nShared_Hugetlb:", b"\nPrivate_Hugetlb:")
-        )
-        out[key] = out.get(key, 0) + resident
-    return out
-
-
-def _smaps_field(data: bytes, field: bytes, start: int, stop: int) -> int:
-    at = data.find(field, start, stop)
-    if at < 0:
-        return 0
-    at += len(field)
-    return int(data[at : data.find(b" kB", at, stop)]) * 1024
+    """Rss + hugetlb pages of the VMAs of `keys`, from smaps (parsed in C, as maps is)."""
+    rows = mapped_rows(read_proc_bytes(pid, f"/proc/{pid}/smaps"), matcher, SMAPS)
+    return {key: row[ROW_SMAPS] for key, row in rows.items() if key in keys}

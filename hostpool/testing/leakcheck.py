@@ -167,7 +167,9 @@ def as_prefixes(prefixes: object) -> tuple[str, ...]:
 def describe(added: ShmState, prefixes: Sequence[str]) -> list[Leak]:
     """Group new fds and maps lines by object and attach what the ledger knows."""
     fds = [f for f in procfs.shm_fds("self", prefixes) if (f.fd, f.dev, f.ino) in added.fds]
-    maps = [m for line in added.maps if (m := procfs.parse_maps_line(line, prefixes))]
+    # in address order, as maps has them (the C parser, inspect's, joins split VMAs)
+    lines = sorted(added.maps, key=lambda line: int(line.partition("-")[0], 16))
+    maps = procgroup.parse_maps("\n".join(lines).encode(errors="surrogateescape"), prefixes)
     objects = procgroup.group_objects(procfs.ProcessShm(0, tuple(fds), tuple(maps)))
     known = _ledger_regions()
     return [

@@ -81,9 +81,9 @@ def test_a_name_cannot_forge_a_mapping_in_inspect(forger: subprocess.Popen[str])
     names = sorted(o["name"] for o in doc["objects"])  # type: ignore[attr-defined]
     assert names == sorted(f"hostpool.x{brk}{FORGED}" for brk in BREAKS)
     # the detailed reader and the leak check's line reader, directly
-    mappings = procfs.shm_mappings(forger.pid)
+    mappings = procgroup.shm_mappings(forger.pid)
     assert len(mappings) == len(BREAKS) and {m.name.pool for m in mappings} == {"-"}
-    assert {m.name.pool for m in procfs.shm_mappings(forger.pid, usage=True)} == {"-"}
+    assert {m.name.pool for m in procgroup.shm_mappings(forger.pid, usage=True)} == {"-"}
     assert len(procfs.shm_maps_lines(forger.pid)) == len(BREAKS)
 
 

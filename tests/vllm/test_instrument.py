@@ -20,7 +20,7 @@ import gc, json, logging, os, sys
 logging.getLogger("hostpool").setLevel(logging.DEBUG)
 from structlog.testing import capture_logs
 from prometheus_client import CollectorRegistry
-from hostpool.proc import procfs
+from hostpool.proc import procfs, procgroup
 from hostpool.core.ledger import get_ledger
 from hostpool.metrics import HostPoolCollector
 import hostpool.integrations.vllm as hv
@@ -32,7 +32,8 @@ def fds_of(dev, ino):
     return [f.fd for f in procfs.shm_fds("self", VLLM_SHM) if (f.dev, f.ino) == (dev, ino)]
 
 def maps_of(dev, ino):
-    return [m.size for m in procfs.shm_mappings("self", VLLM_SHM) if (m.dev, m.ino) == (dev, ino)]
+    mappings = procgroup.shm_mappings("self", VLLM_SHM)
+    return [m.size for m in mappings if (m.dev, m.ino) == (dev, ino)]
 
 def fd_count():
     return len(os.listdir("/proc/self/fd"))
