@@ -10,13 +10,14 @@ import mmap
 import os
 import re
 import tracemalloc
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hostpool.proc import bulkread, procfs
+from hostpool.proc import bulkread, hostread, procfs
 from hostpool.proc.scan import ROW_FDS, ROW_MAPPED, ROW_MAPPINGS, ROW_PATH, ROW_SMAPS, SMAPS, VMAS
 from tests.test_bulkread import NEEDLE, OBJECTS, Memfd, maps_line, memfd  # noqa: F401
 
@@ -219,3 +220,33 @@ def test_detail_leaks_no_references() -> None:
     finally:
         tracemalloc.stop()
     assert grown < 64 * 1024, grown
+
+
+def test_the_host_views_smaps_residency_is_the_kernels() -> None:
+    """hostread.smaps_resident (the host view's fallback where map_files is refused)
+    through the same C loop: a memfd mapped with no fd left, 3 of its 8 pages touched;
+    a process gone gives nothing."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]  # fmt: skip
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fd = os.memfd_create("hostpool.detail.smaps", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 8 * PAGE)
+        st_ = os.fstat(fd)
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        address = libc.mmap(None, 8 * PAGE, prot, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value)
+    finally:
+        os.close(fd)
+    try:
+        ctypes.memset(address, 1, 3 * PAGE)
+        key = (st_.st_ino, os.major(st_.st_dev), os.minor(st_.st_dev))
+        assert hostread.smaps_resident(os.getpid(), {key}) == {key: 3 * PAGE}
+        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+        assert hostread.smaps_resident(pid_max + 1, {key}) == {}
+    finally:
+        libc.munmap(address, 8 * PAGE)
