@@ -6,6 +6,10 @@
  * more interpreter time than the kernel spends producing it, so these loops run here and
  * hand Python one entry per object instead of one per line or fd. What a line or an fd
  * means (names, pools, kinds) stays in Python (hostpool/proc/scan.py).
+ *
+ * This is the one parser of maps and smaps: the exporter, the host view and `hostpool
+ * inspect` (a detailed read: each object's VMAs, smaps usage and fds) all read here, so
+ * they see the same objects; lines end at `\n` only.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
