@@ -33,6 +33,7 @@ from hostpool.proc.scan import (
     ROW_PATH,
     ROW_SMAPS,
     SMAPS,
+    VMAS,
     Key,
     Row,
 )
@@ -93,19 +94,21 @@ def internal_devices() -> InternalDevices:
 
 
 def _shmem_device_of_a_shared_mapping() -> int:
-    """The shmem device as maps shows it for a MAP_SHARED|MAP_ANONYMOUS page of ours."""
+    """The shmem device as maps shows it for a MAP_SHARED|MAP_ANONYMOUS page of ours
+    (`/dev/zero (deleted)`, read by the one maps parser, bulkread)."""
     import ctypes
     import mmap
 
     with mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_SHARED) as m:
         buf = (ctypes.c_char * 1).from_buffer(m)
-        start = b"%x-" % ctypes.addressof(buf)
+        address = ctypes.addressof(buf)
         del buf
-        with open("/proc/self/maps", "rb") as f:
-            for line in f.read().split(b"\n"):
-                if line.lstrip(b"0").startswith(start.lstrip(b"0")):
-                    major, _, minor = line.split(b" ")[3].partition(b":")
-                    return os.makedev(int(major, 16), int(minor, 16))
+        data = read_proc_bytes("self", "/proc/self/maps")
+    rows, _unnamed = bulkread.maps_objects(data, (b"/dev/zero",), {}, None, VMAS)
+    for key, row in rows.items():
+        starts = {vma[0] for mapping in row[-1] for vma in mapping}
+        if not isinstance(key, bytes) and address in starts:
+            return os.makedev(key[1], key[2])
     raise OSError("no shared anonymous mapping in /proc/self/maps")
 
 
