@@ -15,7 +15,7 @@ SERVE_STAMP := $(VENV)/.serve-stamp
 
 # What `hostpool serve` needs, and nothing else: CPU torch, then hostpool with its runtime
 # dependencies (venv's own pip builds an editable install; upgrading it costs seconds).
-$(SERVE_STAMP): pyproject.toml setup.py hostpool-instrument.pth hostpool/proc/bulkread.c
+$(SERVE_STAMP): pyproject.toml setup.py build_support/editable_pth.py hostpool-instrument.pth hostpool/proc/bulkread.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e .
@@ -23,7 +23,7 @@ $(SERVE_STAMP): pyproject.toml setup.py hostpool-instrument.pth hostpool/proc/bu
 
 # Everything the tests, lint and benchmarks need, on top of the serve install. Not a file
 # prerequisite of it: a venv installed whole before the split stays up to date.
-$(STAMP): pyproject.toml setup.py hostpool-instrument.pth requirements/sglang-test.txt hostpool/proc/bulkread.c
+$(STAMP): pyproject.toml setup.py build_support/editable_pth.py hostpool-instrument.pth requirements/sglang-test.txt hostpool/proc/bulkread.c
 	$(MAKE) --no-print-directory $(SERVE_STAMP)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev,bench]"
@@ -37,7 +37,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-$(VLLM_STAMP): requirements/vllm-test.txt pyproject.toml setup.py hostpool-instrument.pth
+$(VLLM_STAMP): requirements/vllm-test.txt pyproject.toml setup.py build_support/editable_pth.py hostpool-instrument.pth
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
