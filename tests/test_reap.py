@@ -588,6 +588,10 @@ def test_the_systemd_drop_in_runs_a_reap_that_parses() -> None:
     assert [reap.reap_dir(d).path for d in args.dir] == ["/dev/shm"]
     operations = (ROOT / "docs" / "operations.md").read_text()
     assert str(DROP_IN.relative_to(ROOT)) in operations
+    # The README's recipe is the drop-in's reap (its log format aside).
+    readme = (ROOT / "README.md").read_text()
+    [shown] = [li for li in readme.splitlines() if li.startswith("ExecStartPre=")]
+    assert shown == line.replace(" --log-format json", "")
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
