@@ -209,6 +209,8 @@ def test_a_failure_is_remembered_and_the_address_backs_off() -> None:
 def test_a_wrong_password_makes_its_address_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(basicauth, "FAILED_SHARE", 1.0)  # no global rest: the address's own
     auth = BasicAuth({"alice": HASH}, ok)
+    for strike in range(basicauth.FREE_STRIKES):  # the first wrong ones cost no wait
+        assert auth.verdict("alice", f"wrong {strike}", client="10.0.0.1") == basicauth.WRONG
     assert auth.verdict("alice", "wrong", client="10.0.0.1") == basicauth.WRONG
     assert auth.verdict("alice", "wrong 2", client="10.0.0.1") == basicauth.BACKING_OFF
     assert auth.retry_after("10.0.0.1") >= 1
@@ -216,4 +218,18 @@ def test_a_wrong_password_makes_its_address_wait(monkeypatch: pytest.MonkeyPatch
     assert auth.verdict("alice", PASSWORD, client="10.0.0.3") == "allow"
     # a remembered success answers an address that is waiting
     assert auth.verdict("alice", PASSWORD, client="10.0.0.1") == "allow"
-    assert auth.bcrypt_rounds == 3
+    assert auth.bcrypt_rounds == 3 + basicauth.FREE_STRIKES
+
+
+def test_a_stale_password_beside_a_good_one_never_holds_the_good_one_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One Prometheus, two jobs on one target: one with a stale password. Its repeats are
+    remembered failures (no strike), so the good job's first round runs from the same
+    address, whatever order they come in."""
+    monkeypatch.setattr(basicauth, "FAILED_SHARE", 1.0)  # no global rest: the address's own
+    auth = BasicAuth({"alice": HASH}, ok)
+    for _ in range(5):
+        assert auth.verdict("alice", "stale", client="127.0.0.1") == basicauth.WRONG
+    assert auth.verdict("alice", PASSWORD, client="127.0.0.1") == "allow"
+    assert auth.bcrypt_rounds == 2

@@ -19,9 +19,13 @@ stream of wrong passwords must not decide how many run:
   for scrapes whose success is remembered;
 - wrong passwords get at most a quarter of one CPU: after a failed round the next one
   waits three times as long as it took (503 meanwhile), however many addresses send;
-- an address whose password was wrong waits before its next round (0.5 s, doubling to
-  16 s while it keeps failing, gone at its first success): meanwhile it gets 429 with
-  `Retry-After`, at no cost; remembered verdicts still answer it;
+- an address that keeps sending new wrong passwords waits before its next round: from
+  its `FREE_STRIKES + 1`th wrong password in a row, 0.5 s, doubling to 16 s while it
+  keeps failing, gone at its first success; meanwhile it gets 429 with `Retry-After`, at
+  no cost; remembered verdicts still answer it. The strikes spare the common case of
+  one scraper with a stale password beside a good one on the same address (a Prometheus
+  job misconfigured next to a right one): a repeated wrong password is a remembered
+  failure and no strike, so the good job's first round is never refused for it;
 - a request whose client has closed its connection (the environ's
   `hostpool.client_gone`, from the listener) is dropped before its round.
 
@@ -50,6 +54,7 @@ FAILURE_CACHE_SIZE = 4096  # failures remembered at most
 BACKOFF_LEAST = 0.5  # seconds an address waits after a wrong password...
 BACKOFF_MOST = 16.0  # ...doubling up to this while it keeps failing
 BACKOFF_SIZE = 4096  # addresses remembered at most
+FREE_STRIKES = 2  # distinct wrong passwords an address may send before it waits
 LOG_INTERVAL = 10.0  # seconds between two lines of one reason
 BCRYPT_MAX_BYTES = 72  # bcrypt reads no further
 FAILED_SHARE = 0.25  # of one CPU, at most, for rounds that find a wrong password
@@ -123,7 +128,8 @@ class BasicAuth:
         self._decoy = next(iter(self.users.values()))
         self._passed = _Verdicts(cache_size)
         self._failed = _Verdicts(FAILURE_CACHE_SIZE)
-        self._waits: OrderedDict[str, tuple[float, Backoff]] = OrderedDict()  # address: until
+        # address: (no round before, its back-off, wrong passwords in a row)
+        self._waits: OrderedDict[str, tuple[float, Backoff, int]] = OrderedDict()
         self._lock = threading.Lock()  # the state above and the counters below
         self._round = threading.Lock()  # held for a bcrypt round: one at a time
         self._rest_until = 0.0  # no round before this (after a failed one)
@@ -207,17 +213,22 @@ class BasicAuth:
     def _back_off(self, client: str, now: float) -> None:
         if not client:
             return  # no address (a direct check): nothing to key a wait on
-        until, backoff = self._waits.pop(client, (0.0, Backoff(BACKOFF_LEAST, BACKOFF_MOST)))
-        if now - until > BACKOFF_MOST:
+        fresh = (0.0, Backoff(BACKOFF_LEAST, BACKOFF_MOST), 0)
+        until, backoff, strikes = self._waits.pop(client, fresh)
+        if strikes and now - max(until, self._rest_until) > BACKOFF_MOST:
             backoff.reset()  # quiet long enough: start again from the least wait
-        self._waits[client] = (now + backoff.next(), backoff)
+            strikes = 0
+        strikes += 1
+        wait = backoff.next() if strikes > FREE_STRIKES else 0.0
+        self._waits[client] = (now + wait, backoff, strikes)
         while len(self._waits) > BACKOFF_SIZE:
             self._waits.popitem(last=False)
 
     def retry_after(self, client: str) -> int:
         """Whole seconds until a round may run for `client` (at least 1)."""
         with self._lock:
-            until = max(self._rest_until, self._waits.get(client, (0.0, None))[0])
+            waiting = self._waits.get(client)
+            until = max(self._rest_until, waiting[0] if waiting is not None else 0.0)
         return max(1, int(until - time.monotonic() + 0.999))
 
     def __call__(
