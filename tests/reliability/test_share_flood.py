@@ -258,4 +258,8 @@ def test_every_connection_has_a_deadline(tmp_path: os.PathLike[str]) -> None:
     assert 0.4 < closed_after < 10.0, closed_after  # the deadline, not never (busy hosts)
     assert gone, "a peer that never reads its replies was not closed"
     reasons = [e["reason"] for e in logs if e["event"] == "hostpool.share_timeout"]
-    assert reasons == ["no request", "reply not read"], reasons
+    # The second silent connection's event is held back by the throttle and told later
+    # with its count (net/guard's Throttle flushes on a timer): on a slow host that can
+    # land before the greedy peer's.
+    assert reasons[0] == "no request" and "reply not read" in reasons, reasons
+    assert set(reasons) == {"no request", "reply not read"}, reasons
