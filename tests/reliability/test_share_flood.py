@@ -255,6 +255,11 @@ def test_every_connection_has_a_deadline(tmp_path: os.PathLike[str]) -> None:
                     gone = True  # EPIPE/ECONNRESET: the server closed it
             greedy.close()
         del t
+
+        def told() -> bool:  # a held-back event is told when the throttle's interval ends
+            return any(e.get("reason") == "reply not read" for e in logs)
+
+        wait_for(told, "the reply-not-read timeout logged")
     assert 0.4 < closed_after < 10.0, closed_after  # the deadline, not never (busy hosts)
     assert gone, "a peer that never reads its replies was not closed"
     reasons = [e["reason"] for e in logs if e["event"] == "hostpool.share_timeout"]
