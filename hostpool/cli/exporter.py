@@ -172,7 +172,10 @@ def run(args: argparse.Namespace) -> int:
             "does" + (f" ({absent.hint})" if absent.hint else ""),
         )
     url = http.url("/metrics")
-    stop.wait()
+    # Bounded waits: a stop signal the kernel gave another thread (a listener's) leaves a
+    # wait without end uninterrupted; its handler runs once this thread runs Python.
+    while not stop.wait(0.2):
+        pass
     http.stop(drain=False)  # a scrape in flight is not waited for: the process ends now
     events.info("hostpool.exporter_stopped", url=url, signal=stopped_by[0])
     return 0

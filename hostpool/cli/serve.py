@@ -37,6 +37,7 @@ from hostpool.errors import (
 from hostpool.serve import config as serve_config
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_STOP_POLL_S = 0.2  # the longest a stop signal taken by another thread waits to be seen
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -178,6 +179,13 @@ class _Stop:
             events.info("hostpool.serve_stopping", signal=signal.Signals(signum).name)
         self.event.set()
 
+    def wait(self) -> None:
+        """Until a stop is asked. Not one wait without end: a stop signal that came while
+        `announce` held it blocked was taken by another thread, which leaves a wait of
+        this thread uninterrupted; the handler runs once this thread runs Python again."""
+        while not self.event.wait(_STOP_POLL_S):
+            pass
+
     def announce(self, event: str, **fields: Any) -> bool:
         # Signals are held while checking and logging: no `serving` line after a stop.
         signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
@@ -312,7 +320,7 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
             pools=[p.name for p in cfg.pools],
             bytes=sum(p.size for p in cfg.pools),
         )
-        stop.event.wait()
+        stop.wait()
     finally:
         stop.event.set()  # /healthz and /readyz say `stopping` from here on
         if demo is not None:
