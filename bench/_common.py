@@ -86,14 +86,23 @@ def _busy_cpu_seconds() -> float:
 
 
 def _own_cpu_seconds(me: psutil.Process) -> float:
+    """This process's CPU, its reaped children's, and its live descendants' (a server the
+    bench started and measures is the bench's own work, not another process's)."""
     t = me.cpu_times()
-    return t.user + t.system + t.children_user + t.children_system
+    total = t.user + t.system + t.children_user + t.children_system
+    for child in me.children(recursive=True):
+        try:
+            c = child.cpu_times()
+        except psutil.Error:
+            continue  # gone meanwhile: counted by its parent once reaped
+        total += c.user + c.system
+    return total
 
 
 @contextlib.contextmanager
 def other_cpu() -> Iterator[dict[str, float]]:
     """What the rest of the machine did while the block ran: every CPU's busy time less
-    this process's and its waited-for children's (kernel workers count as others).
+    this process's and its descendants' (kernel workers count as others).
 
     The load average cannot tell this: it counts the benchmark's own children."""
     me = psutil.Process()

@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS_DIR, machine_facts, utc_now, write_json
+from bench._common import RESULTS_DIR, machine_facts, other_cpu, utc_now, write_json
 
 CLONE_NEWNS = 0x00020000
 MS_REC, MS_PRIVATE = 0x4000, 1 << 18
@@ -148,11 +148,11 @@ def _scrape(args: argparse.Namespace) -> dict[str, Any]:
         scrapes = []
         for _ in range(args.scrapes):
             start = time.monotonic()
-            with urllib.request.urlopen(f"{url}/metrics", timeout=120) as r:
+            with other_cpu() as load, urllib.request.urlopen(f"{url}/metrics", timeout=120) as r:
                 body = r.read().decode()
             wall = time.monotonic() - start
             now, rss, _ = _stat(proc.pid)
-            scrapes.append({"wall_s": wall, "cpu_s": now - cpu, "rss_bytes": rss})
+            scrapes.append({"wall_s": wall, "cpu_s": now - cpu, "rss_bytes": rss, **load})
             cpu = now
         peak = _stat(proc.pid)[2]
     finally:

@@ -301,6 +301,19 @@ def procfs_attacks(data: dict[str, Any], _ctx: Any) -> str:
     return "\n".join(lines)
 
 
+def exporter_pod(data: dict[str, Any], _ctx: Any) -> str:
+    """One sentence: what the node exporter used at the host-view bench's scale (the
+    DaemonSet's requests and limits are checked against this file by a test)."""
+    mib = 1 << 20
+    return (
+        f"Measured {data['when'][:10]} (`bench/results/exporter_pod.json`, "
+        f"{data['objects_seen']:,} objects seen): {data['idle_rss_bytes'] / mib:.0f} MiB "
+        f"resident idle, a peak of {data['peak_rss_bytes'] / mib:.0f} MiB, at most "
+        f"{data['cpu_s_max']:.2f} CPU-seconds and {data['wall_s_max']:.2f} s a scrape "
+        f"({len(data['scrapes'])} scrapes, {data['machine']['cpus']} cores)."
+    )
+
+
 TABLES = {
     "first_alloc": first_alloc,
     "overhead": overhead,
@@ -311,4 +324,5 @@ TABLES = {
     "http-flood": http_flood,
     "share-attacks": share_attacks,
     "procfs-attacks": procfs_attacks,
+    "exporter_pod": exporter_pod,
 }

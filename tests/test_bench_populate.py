@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -166,9 +167,25 @@ def _host_busy() -> float:
 TICK = 0.05  # tick-granular counters on both sides (host and process times)
 
 
+STRANGER = """
+import os, sys, time
+if os.fork():
+    os._exit(0)
+os.setsid()
+print(os.getpid(), flush=True)
+null = os.open(os.devnull, os.O_RDWR)
+for fd in (0, 1, 2):  # the test's pipes close: it reads our pid to its end
+    os.dup2(null, fd)
+t = time.process_time() + 1
+while time.process_time() < t:
+    pass
+time.sleep(600)
+"""
+
+
 def test_other_cpu_leaves_out_own_children_and_counts_other_processes() -> None:
-    """Whatever else the machine runs: a waited-for child's CPU second is never in
-    `other_cpus`, and a stranger's is (both checked against what /proc says they used)."""
+    """Whatever else the machine runs: a child's CPU second is never in `other_cpus`, and
+    a stranger's is (both checked against what /proc says they used)."""
     burn = [
         sys.executable,
         "-c",
@@ -180,17 +197,23 @@ def test_other_cpu_leaves_out_own_children_and_counts_other_processes() -> None:
     host = _host_busy() - before
     # the host's busy time, less at least the child's second, bounds what counts as other
     assert own_child["other_cpus"] * own_child["wall_s"] <= host - 1.0 + TICK
-    stranger = subprocess.Popen(burn)
+    # A stranger: not our descendant (forked twice, its parent gone), so not our work.
+    # It burns a CPU second, then sleeps until killed.
+    stranger = subprocess.run(
+        [sys.executable, "-c", STRANGER], capture_output=True, text=True, check=True, timeout=60
+    )
+    pid = int(stranger.stdout)
     try:
+
+        def burnt() -> float | None:
+            fields = _stat_fields(pid)
+            cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            return cpu if cpu >= 1.0 - TICK and fields[0] == "S" else None
+
         with other_cpu() as others:
-            # until the stranger has burnt its second and exited, not reaped (a reaped
-            # child's CPU would count as ours): a zombie in /proc, its times still there
-            waiting.wait_for(lambda: _stat_fields(stranger.pid)[0] == "Z", "the stranger's exit")
-        fields = _stat_fields(stranger.pid)
-        used = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime+stime
+            used = waiting.wait_for(burnt, "the stranger's CPU second")
     finally:
-        stranger.wait()
-    assert used >= 1.0
+        os.kill(pid, signal.SIGKILL)
     assert others["other_cpus"] * others["wall_s"] >= used - TICK
 
 
