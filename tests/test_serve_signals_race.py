@@ -7,19 +7,23 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = """
-import signal, threading, time
+import os, signal, threading, time
 from hostpool.cli.serve import _Stop
+from tests.waiting import wait_for
 stop = _Stop()
-waiting = threading.Event()
+def main_thread_asleep():
+    with open(f"/proc/self/task/{os.getpid()}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "S"
 def other():
-    waiting.wait()
-    time.sleep(0.3)  # the main thread is in its wait by now (or soon: either way)
+    wait_for(main_thread_asleep, "the main thread in its wait")
     signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # taken by this thread
     time.sleep(3600)
 threading.Thread(target=other, daemon=True).start()
-waiting.set()
 stop.wait()
 print("stopped", flush=True)
 """
@@ -27,6 +31,11 @@ print("stopped", flush=True)
 
 def test_a_stop_taken_by_another_thread_ends_the_wait() -> None:
     done = subprocess.run(
-        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", CHILD],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert (done.returncode, done.stdout.strip()) == (0, "stopped"), done.stderr
