@@ -119,6 +119,31 @@ def tree_shmem_bytes(root: int | None = None) -> int:
 
 
 @contextlib.contextmanager
+def memory_cgroup(name: str, limit_bytes: int | None = None) -> Iterator[Path]:
+    """A real v1 memory cgroup `name`-PID below this process's own (root), with
+    `limit_bytes` if given; skips the test where none can be made. Removed afterwards
+    (the test moves nothing it keeps into it)."""
+    import pytest
+
+    with open("/proc/self/cgroup") as f:
+        own = next((line.split(":", 2)[2].strip() for line in f if ":memory:" in line), None)
+    base = Path("/sys/fs/cgroup/memory")
+    if own is None or not base.is_dir():
+        pytest.skip("no cgroup v1 memory controller")
+    group = base / own.lstrip("/") / f"{name}-{os.getpid()}"
+    try:
+        group.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot make a memory cgroup: {exc}")
+    try:
+        if limit_bytes is not None:
+            (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        yield group
+    finally:
+        group.rmdir()
+
+
+@contextlib.contextmanager
 def reserved_hugepages(count: int) -> Iterator[int]:
     """Reserve `count` 2 MiB hugepages (root), yield how many the kernel gave, restore."""
     old = int(NR_HUGEPAGES.read_text())

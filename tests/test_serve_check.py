@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from hostpool.cli.exitcodes import INVALID, NOT_NOW
+from tests.helpers import memory_cgroup
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = 65534
@@ -92,29 +93,21 @@ def test_rlimit_nofile_below_what_the_regions_need(tmp_path: Path, check: bool) 
 @pytest.fixture
 def full_cgroup(root: None) -> Iterator[Path]:
     """A v1 memory cgroup of 160 MiB, 100 MiB of it used by a tmpfs file charged to it."""
-    with open("/proc/self/cgroup") as f:
-        own = next((line.split(":", 2)[2].strip() for line in f if ":memory:" in line), None)
-    base = Path("/sys/fs/cgroup/memory")
-    if own is None or not base.is_dir():
-        pytest.skip("no cgroup v1 memory controller")
-    group = base / own.lstrip("/") / f"hostpool-check-{os.getpid()}"
-    try:
-        group.mkdir()
-    except OSError as exc:
-        pytest.skip(f"cannot make a memory cgroup: {exc}")
     ballast = Path(tempfile.mkdtemp(prefix="hostpool-check-", dir="/dev/shm")) / "ballast"
     try:
-        (group / "memory.limit_in_bytes").write_text(str(160 * MiB))
-        # dd runs in the cgroup: the file's pages are charged to it, and stay charged.
-        subprocess.run(
-            ["dd", "if=/dev/zero", f"of={ballast}", "bs=1M", "count=100", "status=none"],
-            preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())),
-            check=True,
-        )
-        yield group
+        with memory_cgroup("hostpool-check", 160 * MiB) as group:
+            # dd runs in the cgroup: the file's pages are charged to it, and stay charged.
+            subprocess.run(
+                ["dd", "if=/dev/zero", f"of={ballast}", "bs=1M", "count=100", "status=none"],
+                preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())),
+                check=True,
+            )
+            try:
+                yield group
+            finally:
+                ballast.unlink(missing_ok=True)  # uncharged before the group goes
     finally:
         shutil.rmtree(ballast.parent, ignore_errors=True)
-        group.rmdir()
 
 
 def test_pools_above_the_cgroups_free_memory(full_cgroup: Path) -> None:

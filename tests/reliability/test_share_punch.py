@@ -27,6 +27,7 @@ import pytest
 
 from hostpool.errors import ShareError
 from hostpool.share import attach
+from tests.helpers import memory_cgroup
 from tests.reliability.share_support import (
     F_SEAL_FUTURE_WRITE,
     NOBODY,
@@ -57,20 +58,8 @@ def _punch(fd: int, length: int) -> str:
 @pytest.fixture
 def cgroup(root: None) -> Iterator[Path]:
     """A real v1 memory cgroup below this process's own, for the client."""
-    with open("/proc/self/cgroup") as f:
-        own = next((line.split(":", 2)[2].strip() for line in f if ":memory:" in line), None)
-    base = Path("/sys/fs/cgroup/memory")
-    if own is None or not base.is_dir():
-        pytest.skip("no cgroup v1 memory controller")
-    group = base / own.lstrip("/") / f"hostpool-punch-{os.getpid()}"
-    try:
-        group.mkdir()
-    except OSError as exc:
-        pytest.skip(f"cannot make a memory cgroup: {exc}")
-    try:
+    with memory_cgroup("hostpool-punch") as group:
         yield group
-    finally:
-        group.rmdir()
 
 
 def _serve_and_punch(path: str, seals: int, punched: str, *, readonly: bool = True) -> RogueServer:

@@ -25,6 +25,7 @@ import pytest
 
 from hostpool.errors import InvalidRequestError, ShareError
 from hostpool.share import attach
+from tests.helpers import memory_cgroup
 from tests.reliability.share_support import (
     F_SEAL_FUTURE_WRITE,
     NOBODY,
@@ -107,21 +108,8 @@ def test_nonsensical_limits_are_invalid_requests(tmp_path: Path, bad: object) ->
 @pytest.fixture
 def cgroup_1gib(root: None) -> Iterator[Path]:
     """A real v1 memory cgroup of 1 GiB below this process's own."""
-    with open("/proc/self/cgroup") as f:
-        own = next((line.split(":", 2)[2].strip() for line in f if ":memory:" in line), None)
-    base = Path("/sys/fs/cgroup/memory")
-    if own is None or not base.is_dir():
-        pytest.skip("no cgroup v1 memory controller")
-    group = base / own.lstrip("/") / f"hostpool-test-{os.getpid()}"
-    try:
-        group.mkdir()
-    except OSError as exc:
-        pytest.skip(f"cannot make a memory cgroup: {exc}")
-    try:
-        (group / "memory.limit_in_bytes").write_text(str(GiB))
+    with memory_cgroup("hostpool-test", GiB) as group:
         yield group
-    finally:
-        group.rmdir()
 
 
 def test_a_sparse_pool_larger_than_the_cgroup_is_refused(tmp_path: Path, cgroup_1gib: Path) -> None:
