@@ -3,6 +3,7 @@ from __future__ import annotations
 import fnmatch
 import glob
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -137,3 +138,15 @@ def fake_cuda() -> Iterator[helpers.FakeCuda]:
         yield fake
     finally:
         cuda.set_runtime(previous)
+
+
+@pytest.fixture
+def shm_path() -> Iterator[str]:
+    """A fresh path in /dev/shm for the test to create (a tmpfs file the host view sees as
+    a `file` object, an orphan once nothing holds it), removed afterwards."""
+    path = f"/dev/shm/hostpool-test-{secrets.token_hex(4)}"
+    try:
+        yield path
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)

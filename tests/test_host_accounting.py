@@ -6,11 +6,7 @@ unattributed is /proc/meminfo `Shmem`. Root only (SysV, mount namespaces)."""
 from __future__ import annotations
 
 import os
-import secrets
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from hostpool.host.model import HostObject, HostView
 from hostpool.host.scan import scan_host
@@ -36,28 +32,17 @@ def least_unattributed(tries: int = 3) -> tuple[HostView, int, int]:
     return min(scans, key=lambda s: s[0].totals.unattributed_bytes)
 
 
-@pytest.fixture
-def orphan_here() -> Iterator[str]:
-    """A path in /dev/shm for the test to write, removed afterwards."""
-    path = f"/dev/shm/hostpool-test-orphan-{secrets.token_hex(4)}"
-    try:
-        yield path
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
-
-
-def test_the_accounting_closes(root: None, tmp_path: Path, orphan_here: str) -> None:
+def test_the_accounting_closes(root: None, tmp_path: Path, shm_path: str) -> None:
     base, _, _ = least_unattributed()
     mountpoint = tmp_path / "ns"
     mountpoint.mkdir()
-    hostobjects.write_file(orphan_here, SIZE)
+    hostobjects.write_file(shm_path, SIZE)
     with (
         hostobjects.holder(SIZE) as held,
         hostobjects.private_tmpfs(str(mountpoint), {"orphan": SIZE}) as sleeper,
     ):
         view, shmem_before, shmem_after = least_unattributed()
-        mine = ours(view, held, orphan_here, sleeper.pid)
+        mine = ours(view, held, shm_path, sleeper.pid)
         assert sorted(o.kind for o in mine) == [
             "anon_shared", "file", "file", "file", "memfd", "sysv",
         ]  # fmt: skip

@@ -12,7 +12,6 @@ import re
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,16 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def by_identity(identity: tuple[int, int]) -> HostObject:
     return next(o for o in scan_host().objects if o.identity == identity)
-
-
-@pytest.fixture
-def shm_path() -> Iterator[str]:
-    path = f"/dev/shm/hostpool-test-{secrets.token_hex(4)}"
-    try:
-        yield path
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
 
 
 def test_every_kind_with_its_holders(root: None) -> None:
