@@ -413,18 +413,19 @@ def make_hostpool(n: int) -> Made:
     alloc = _PREPARED["allocator"]()  # one per call: teardown closes it
     tensor = alloc.allocate((n,), torch.uint8)
     region = alloc.regions[-1]
+    facts = region.facts
     # Teardown runs after the tensor is dropped (that unmaps it); close() must not keep
     # a reference to the tensor, or the unmap would wait for the closure.
     details = {
-        "backend": region.backend,
-        "page_size": region.page_size,
-        "mapped_bytes": region.mapped_bytes,
-        "populate_mode": region.populate_mode,
-        "populate_seconds": region.populate_seconds,
+        "backend": facts.backend,
+        "page_size": facts.page_size,
+        "mapped_bytes": facts.mapped_bytes,
+        "populate_mode": facts.populate_mode,
+        "populate_seconds": facts.populate_seconds,
         "populate_threads": alloc.options.effective_populate_threads(),
-        "hugepage_fallbacks": list(region.hugepage_fallbacks),
-        "thp_advised": region.thp_advised,
-        "seals": region.seals,
+        "hugepage_fallbacks": list(facts.hugepage_fallbacks),
+        "thp_advised": facts.thp_advised,
+        "seals": facts.seals,
     }
     return Made(tensor, tensor.data_ptr(), region.fd, alloc.close, details)
 

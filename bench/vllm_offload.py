@@ -115,10 +115,10 @@ def make_hostpool(n: int) -> Made:
     tensor = allocator.allocate((n // ROW_BYTES, ROW_BYTES), torch.int8)
     [region] = allocator.regions
     details = {
-        "backend": region.backend,
-        "populate_mode": region.populate_mode,
-        "populate_seconds": region.populate_seconds,
-        "seals": region.seals,
+        "backend": region.facts.backend,
+        "populate_mode": region.facts.populate_mode,
+        "populate_seconds": region.facts.populate_seconds,
+        "seals": region.facts.seals,
     }
     holder = {"tensor": tensor}
 

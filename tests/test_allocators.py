@@ -43,7 +43,7 @@ def test_close_with_live_views_does_not_crash_and_unmaps_with_last_view() -> Non
             t = a.allocate((1 << 20,), torch.uint8)
             view = t[4096:8192]
             r = a.regions[0]
-            address, length = r.address, r.mapped_bytes
+            address, length = r.facts.address, r.facts.mapped_bytes
             del t
             a.close()
             a.close()                       # idempotent
@@ -75,7 +75,7 @@ def test_allocator_holds_no_memory_of_its_own(no_leaked_fds: None) -> None:
     assert len(alloc.fds) == 3 and len(alloc.mms) == 3
     assert alloc.fd == alloc.fds[0]  # sglang's: the first
     regions = alloc.regions
-    ranges = [(r.address, r.mapped_bytes) for r in regions]
+    ranges = [(r.facts.address, r.facts.mapped_bytes) for r in regions]
     del tensors, regions
     gc.collect()
     assert alloc.fds == [] and alloc.mms == [] and alloc.regions == []
@@ -361,9 +361,11 @@ def test_retaining_allocator_releases_a_region_through_any_view(no_leaked_fds: N
     alloc.allocate((64, 1024), torch.float16)
     view = alloc.allocate((64, 1024), torch.float16)[10:]  # not at the region's start
     (region,) = [
-        r for r in alloc.regions if r.address <= view.data_ptr() < r.address + r.mapped_bytes
+        r
+        for r in alloc.regions
+        if r.facts.address <= view.data_ptr() < r.facts.address + r.facts.mapped_bytes
     ]
-    address, length = region.address, region.mapped_bytes
+    address, length = region.facts.address, region.facts.mapped_bytes
     del region
     assert alloc.release(view) is False  # the view still maps it
     del view

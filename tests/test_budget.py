@@ -76,7 +76,7 @@ def test_hugetlb_is_not_refused_for_ram_the_pool_already_took(hugepages_2m: int)
             manager.allocator("normal").allocate((4 * MiB,), torch.uint8)
         huge = manager.allocator("huge", hugepages="required")
         t = huge.allocate((4 * MiB,), torch.uint8)
-        assert huge.regions[0].page_size == 2 * MiB
+        assert huge.regions[0].facts.page_size == 2 * MiB
         huge.close()
         del t
 
@@ -250,7 +250,8 @@ def test_a_hugepage_fallback_is_admitted_like_any_request(hugepages_2m: int) -> 
                 except AllocationError as e:
                     print("refused", e.reason)
                 t = a.allocate((4 << 20,), torch.uint8)
-                print("page", a.regions[0].page_size, a.regions[0].hugepage_fallbacks)
+                facts = a.regions[0].facts
+                print("page", facts.page_size, facts.hugepage_fallbacks)
                 a.close()
                 del t
             print("fallbacks", get_ledger().counters().fallbacks_total)

@@ -71,15 +71,15 @@ def test_the_owner_keeps_writing_and_nobody_punches(hugepages_2m: int) -> None:
         allocator = manager.allocator(POOL, hugepages="required", hugepage_size="2MB")
         tensor = allocator.allocate((SIZE,), torch.uint8)
         (region,) = allocator.regions
-        assert region.page_size == HUGE and region.fd is not None
-        assert region.seals == fcntl.fcntl(region.fd, fcntl.F_GET_SEALS)
-        assert region.seals & EXPECTED == EXPECTED
+        assert region.facts.page_size == HUGE and region.fd is not None
+        assert region.facts.seals == fcntl.fcntl(region.fd, fcntl.F_GET_SEALS)
+        assert region.facts.seals & EXPECTED == EXPECTED
         # Populated after the seal, through the owner's own mapping.
-        assert region.populate_mode == "madvise" and region.resident_bytes() == SIZE
+        assert region.facts.populate_mode == "madvise" and region.resident_bytes() == SIZE
         tensor.fill_(7)
         assert int(tensor.sum()) == 7 * SIZE
         assert _punch(region.fd) == "EPERM"
-        assert _outcome(_libc.madvise(region.address, HUGE, MADV_REMOVE)) == "EPERM"
+        assert _outcome(_libc.madvise(region.facts.address, HUGE, MADV_REMOVE)) == "EPERM"
         assert _map_writable(region.fd) == "EPERM"  # the contract: no second writable map
         tensor.fill_(8)  # still writable, every page (none was punched)
         assert int(tensor.sum()) == 8 * SIZE
@@ -153,10 +153,10 @@ def _own(path: str, cmd_r: int, out_w: int) -> int:
         manager, path, allowed_uids=[PEER_UID], writable_uids=[PEER_UID]
     ).start()
     report = {
-        "seals": region.seals,
+        "seals": region.facts.seals,
         "kernel_seals": fcntl.fcntl(region.fd, fcntl.F_GET_SEALS),
         "punch": _punch(region.fd),
-        "madv_remove": _outcome(_libc.madvise(region.address, HUGE, MADV_REMOVE)),
+        "madv_remove": _outcome(_libc.madvise(region.facts.address, HUGE, MADV_REMOVE)),
         "sum": int(tensor.sum()),
     }
     os.write(out_w, json.dumps(report).encode() + b"\n")

@@ -40,7 +40,7 @@ def test_dropping_tensors_inside_a_manager_frees_the_mapping() -> None:
         before = ledger.counters().releases_total.get(("kvdrop", "tensor"), 0)
         del t
         gc.collect()
-        assert not helpers.range_mapped(region.address, region.mapped_bytes)
+        assert not helpers.range_mapped(region.facts.address, region.facts.mapped_bytes)
         assert manager.snapshot() == []
         counters = ledger.counters().releases_total
         # The tensor owned it (the allocator retains nothing): its normal end, no leak.

@@ -3,6 +3,7 @@ reader, the memfd probes, option checks and budget refusals (each once, used by 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -14,7 +15,6 @@ from hostpool.errors import AllocationError, InvalidRequestError
 from hostpool.memory import kernel, syscalls
 from hostpool.memory.holders import (
     FOREIGN_BACKEND,
-    RegionFacts,
     adopt,
     holder_over_tensor,
     region_over,
@@ -29,30 +29,62 @@ def test_a_region_over_a_tensor_takes_address_and_size_from_its_holder() -> None
     region = region_over(
         holder,
         lambda rid, *a, **k: gone.append(rid),
-        RegionFacts("facts", "torch", "torch", 3999, populate_mode="touch"),
+        pool="facts",
+        kind="torch",
+        backend="torch",
+        requested_bytes=3999,
+        populate_mode="touch",
     )
-    assert (region.address, region.mapped_bytes) == (tensor.data_ptr(), 4000)
-    assert (region.pool, region.kind, region.backend) == ("facts", "torch", "torch")
-    assert (region.requested_bytes, region.populate_mode, region.name) == (3999, "touch", None)
-    assert region.page_size == syscalls.PAGE_SIZE and region.hugepage_fallbacks == ()
+    facts = region.facts
+    assert (facts.address, facts.mapped_bytes) == (tensor.data_ptr(), 4000)
+    assert (facts.pool, facts.kind, facts.backend) == ("facts", "torch", "torch")
+    assert (facts.requested_bytes, facts.populate_mode, facts.name) == (3999, "touch", None)
+    assert facts.page_size == syscalls.PAGE_SIZE and facts.hugepage_fallbacks == ()
     assert holder.keeps_alive is tensor  # the memory's owner lives as long as the holder
     del holder
-    assert gone == [region.id]  # the holder's end is the region's
+    assert gone == [facts.id]  # the holder's end is the region's
+
+
+def test_the_facts_are_fixed_at_birth() -> None:
+    holder = holder_over_tensor(torch.zeros(8, dtype=torch.uint8), 8)
+    region = region_over(
+        holder, None, pool="facts", kind="torch", backend="torch", requested_bytes=8
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        region.facts.pool = "other"  # type: ignore[misc]
+    ids = {region.facts.id}
+    for _ in range(3):
+        more = holder_over_tensor(torch.zeros(8, dtype=torch.uint8), 8)
+        ids.add(
+            region_over(
+                more, None, pool="facts", kind="torch", backend="torch", requested_bytes=8
+            ).facts.id
+        )
+    assert len(ids) == 4  # each region its own id
 
 
 def test_a_keyword_region_lacks_is_a_type_error() -> None:
     holder = holder_over_tensor(torch.zeros(8, dtype=torch.uint8), 8)
     with pytest.raises(TypeError):
-        region_over(holder, None, RegionFacts("facts", "torch", "torch", 8), colour="red")
+        region_over(
+            holder,
+            None,
+            pool="facts",
+            kind="torch",
+            backend="torch",
+            requested_bytes=8,
+            colour="red",
+        )
 
 
 def test_adopted_memory_is_recorded_as_it_was() -> None:
     tensor = torch.ones(3, 5, dtype=torch.float64)
     region, view = adopt(tensor, "facts", None)
-    assert region.backend == FOREIGN_BACKEND and region.kind == "torch"
-    assert region.address == tensor.data_ptr() == view.data_ptr()
-    assert region.mapped_bytes == region.requested_bytes == 3 * 5 * 8
-    assert region.populate_mode == "none" and region.populate_seconds == 0.0
+    facts = region.facts
+    assert facts.backend == FOREIGN_BACKEND and facts.kind == "torch"
+    assert facts.address == tensor.data_ptr() == view.data_ptr()
+    assert facts.mapped_bytes == facts.requested_bytes == 3 * 5 * 8
+    assert facts.populate_mode == "none" and facts.populate_seconds == 0.0
     assert view.shape == (3, 5) and bool((view == 1).all())
 
 

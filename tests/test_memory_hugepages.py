@@ -36,11 +36,11 @@ def test_prefer_without_pages_falls_back_with_reasons(
     shm_alloc = ShmHostTensorAllocator("hp", hugepages="prefer", hugepage_size="2MB")
     t = shm_alloc.allocate((3 * MiB,), torch.uint8)
     region = shm_alloc.regions[0]
-    assert region.page_size == 4096
-    assert region.hugepage_fallbacks[0] == "hugetlb_pool_short"
+    assert region.facts.page_size == 4096
+    assert region.facts.hugepage_fallbacks[0] == "hugetlb_pool_short"
     expected_thp = kernel.shmem_thp_allowed()
-    assert region.thp_advised == expected_thp
-    assert ("thp_disabled" in region.hugepage_fallbacks) == (not expected_thp)
+    assert region.facts.thp_advised == expected_thp
+    assert ("thp_disabled" in region.facts.hugepage_fallbacks) == (not expected_thp)
     shm_alloc.close()
     del t
 
@@ -62,15 +62,15 @@ def test_hugetlb_memfd_whole_pages_unmapped_on_release(
     alloc = ShmHostTensorAllocator("huge", hugepages="required", hugepage_size="2MB")
     t = alloc.allocate((5 * MiB,), torch.uint8)  # 3 hugepages, not 5 MiB
     region = alloc.regions[0]
-    assert region.page_size == 2 * MiB and region.mapped_bytes == 6 * MiB
+    assert region.facts.page_size == 2 * MiB and region.facts.mapped_bytes == 6 * MiB
     link = os.readlink(f"/proc/self/fd/{alloc.fd}")
     assert link.startswith("/memfd:hostpool.huge.")
     assert os.fstat(alloc.fd).st_size == 6 * MiB
     assert _free_2m() == free_before - 3  # populated: taken from the pool now
     assert region.resident_bytes() == 6 * MiB  # st_blocks counts hugetlb pages too
-    assert helpers.range_mapped(region.address, region.mapped_bytes)
+    assert helpers.range_mapped(region.facts.address, region.facts.mapped_bytes)
     t[-1] = 3
-    address, length = region.address, region.mapped_bytes
+    address, length = region.facts.address, region.facts.mapped_bytes
     alloc.close()
     del t
     gc.collect()
@@ -106,8 +106,8 @@ def test_mmap_enomem_race_is_caught_at_mmap(
             )
         alloc = cls("race", hugepages="prefer", hugepage_size="2MB", populate="none")
         t = alloc.allocate((too_big,), torch.uint8)
-        assert alloc.regions[0].hugepage_fallbacks[0] == "hugetlb_pool_short"
-        assert alloc.regions[0].page_size == 4096
+        assert alloc.regions[0].facts.hugepage_fallbacks[0] == "hugetlb_pool_short"
+        assert alloc.regions[0].facts.page_size == 4096
         alloc.close()
         del t
     assert _free_2m() == free
@@ -118,7 +118,7 @@ def test_anonymous_hugetlb(hugepages_2m: int) -> None:
     free_before = _free_2m()
     alloc = MmapHostTensorAllocator("anonhuge", hugepages="required", hugepage_size="2MB")
     t = alloc.allocate((1, 2 * MiB + 1), torch.uint8)
-    assert alloc.regions[0].mapped_bytes == 4 * MiB
+    assert alloc.regions[0].facts.mapped_bytes == 4 * MiB
     assert _free_2m() == free_before - 2
     alloc.close()
     del t

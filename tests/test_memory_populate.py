@@ -21,7 +21,7 @@ def test_shm_modes_leave_every_page_resident(mode: str, no_leaked_fds: None) -> 
     alloc = ShmHostTensorAllocator("pop", populate=mode)
     t = alloc.allocate((SIZE,), torch.uint8)
     region = alloc.regions[0]
-    assert region.populate_mode == ("madvise" if mode == "auto" else mode)
+    assert region.facts.populate_mode == ("madvise" if mode == "auto" else mode)
     assert os.fstat(alloc.fd).st_blocks * 512 == SIZE
     assert region.resident_bytes() == SIZE
     alloc.close()
@@ -33,8 +33,8 @@ def test_anon_modes_leave_every_page_resident(mode: str) -> None:
     alloc = MmapHostTensorAllocator("pop", populate=mode)
     t = alloc.allocate((SIZE,), torch.uint8)
     region = alloc.regions[0]
-    assert region.populate_mode == ("madvise" if mode == "auto" else mode)
-    assert helpers.mincore_resident(region.address, SIZE) == SIZE
+    assert region.facts.populate_mode == ("madvise" if mode == "auto" else mode)
+    assert helpers.mincore_resident(region.facts.address, SIZE) == SIZE
     assert region.resident_bytes() == SIZE
     alloc.close()
     del t
@@ -47,13 +47,13 @@ def test_none_leaves_pages_unresident_until_touched(no_leaked_fds: None) -> None
     ta = anon_alloc.allocate((SIZE,), torch.uint8)
     assert os.fstat(shm_alloc.fd).st_blocks == 0
     anon = anon_alloc.regions[0]
-    assert helpers.mincore_resident(anon.address, SIZE) == 0
+    assert helpers.mincore_resident(anon.facts.address, SIZE) == 0
     ts[: 3 * 4096].fill_(1)
     ta[4096 * 10 : 4096 * 12].fill_(1)
     assert os.fstat(shm_alloc.fd).st_blocks * 512 == 3 * 4096
-    assert helpers.mincore_resident(anon.address, SIZE) == 2 * 4096
+    assert helpers.mincore_resident(anon.facts.address, SIZE) == 2 * 4096
     assert anon.resident_bytes() == 2 * 4096
-    assert shm_alloc.regions[0].populate_mode == "none"
+    assert shm_alloc.regions[0].facts.populate_mode == "none"
     shm_alloc.close()
     anon_alloc.close()
     del ts, ta
@@ -67,10 +67,10 @@ def test_auto_falls_back_where_madvise_is_unsupported(
     anon_alloc = MmapHostTensorAllocator("old")
     ts = shm_alloc.allocate((SIZE,), torch.uint8)
     ta = anon_alloc.allocate((SIZE,), torch.uint8)
-    assert shm_alloc.regions[0].populate_mode == "map_populate"  # fallocate + MAP_POPULATE
-    assert anon_alloc.regions[0].populate_mode == "touch"
+    assert shm_alloc.regions[0].facts.populate_mode == "map_populate"  # fallocate + MAP_POPULATE
+    assert anon_alloc.regions[0].facts.populate_mode == "touch"
     assert os.fstat(shm_alloc.fd).st_blocks * 512 == SIZE
-    assert helpers.mincore_resident(anon_alloc.regions[0].address, SIZE) == SIZE
+    assert helpers.mincore_resident(anon_alloc.regions[0].facts.address, SIZE) == SIZE
     with pytest.raises(AllocationError, match="MADV_POPULATE_WRITE"):
         ShmHostTensorAllocator("old", populate="madvise").allocate((4096,), torch.uint8)
     shm_alloc.close()
@@ -178,9 +178,9 @@ def test_numa_bind_before_populate(no_leaked_fds: None) -> None:
         alloc = cls("numa", numa_node=node)
         t = alloc.allocate((4 << 20,), torch.uint8)
         region = alloc.regions[0]
-        assert region.numa_node == node and region.resident_bytes() == 4 << 20
+        assert region.facts.numa_node == node and region.resident_bytes() == 4 << 20
         # /proc/self/numa_maps shows the bind policy on the mapping
-        start = f"{region.address:x} "
+        start = f"{region.facts.address:x} "
         with open("/proc/self/numa_maps") as f:
             line = next(x for x in f if x.startswith(start))
         assert f"bind:{node}" in line
@@ -194,9 +194,9 @@ def test_anonymous_regions_are_named_where_the_kernel_can() -> None:
     probe = MmapHostTensorAllocator("named", populate="none")
     t = probe.allocate((4096,), torch.uint8)
     region = probe.regions[0]
-    supported = syscalls.name_anonymous_mapping(region.address, 4096, "hostpool.probe")
+    supported = syscalls.name_anonymous_mapping(region.facts.address, 4096, "hostpool.probe")
     if not supported:
-        assert region.name is None  # CONFIG_ANON_VMA_NAME is off: skipped quietly
+        assert region.facts.name is None  # CONFIG_ANON_VMA_NAME is off: skipped quietly
         probe.close()
         del t
         pytest.skip("this kernel cannot name anonymous mappings (CONFIG_ANON_VMA_NAME)")

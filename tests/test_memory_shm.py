@@ -22,8 +22,12 @@ def test_memfd_is_named_sealed_and_private(no_leaked_fds: None) -> None:
     assert fd is not None
     link = os.readlink(f"/proc/self/fd/{fd}")
     region = alloc.regions[0]
-    assert link == f"/memfd:hostpool.kv.{os.getpid()}.{region.name.rsplit('.', 1)[1]} (deleted)"
-    assert region.name is not None and region.name.startswith(f"hostpool.kv.{os.getpid()}.")
+    assert (
+        link == f"/memfd:hostpool.kv.{os.getpid()}.{region.facts.name.rsplit('.', 1)[1]} (deleted)"
+    )
+    assert region.facts.name is not None and region.facts.name.startswith(
+        f"hostpool.kv.{os.getpid()}."
+    )
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     for seal in (fcntl.F_SEAL_SHRINK, fcntl.F_SEAL_GROW, fcntl.F_SEAL_SEAL):
         assert seals & seal
@@ -59,7 +63,7 @@ def test_devshm_fallback_is_private_and_unlinked(tmp_path: object, no_leaked_fds
     assert link.startswith("/dev/shm/hostpool.fb.") and link.endswith(" (deleted)")
     assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
     assert set(os.listdir("/dev/shm")) == before
-    assert alloc.regions[0].seals == 0  # tmpfs files cannot be sealed; the Region says so
+    assert alloc.regions[0].facts.seals == 0  # tmpfs files cannot be sealed; the Region says so
     alloc.close()
     del t
 
@@ -78,7 +82,7 @@ def test_planted_symlink_is_never_followed(
     alloc = ShmHostTensorAllocator("sym", shm_backend="devshm", fallback_dir=os.fspath(tmp_path))
     t = alloc.allocate((4096,), torch.uint8)
     t.fill_(1)
-    assert alloc.regions[0].name == f"hostpool.sym.{os.getpid()}.{seq}.fresh"
+    assert alloc.regions[0].facts.name == f"hostpool.sym.{os.getpid()}.{seq}.fresh"
     with open(victim) as f:
         assert f.read() == "precious"
     assert os.path.islink(os.path.join(tmp_path, predicted))
@@ -104,7 +108,7 @@ def test_memfd_unavailable_falls_back_to_devshm(
     helpers.no_memfd(monkeypatch)
     alloc = ShmHostTensorAllocator("nomemfd")
     t = alloc.allocate((8192,), torch.uint8)
-    assert alloc.regions[0].backend == "devshm"
+    assert alloc.regions[0].facts.backend == "devshm"
     assert os.readlink(f"/proc/self/fd/{alloc.fd}").startswith("/dev/shm/hostpool.nomemfd.")
     alloc.close()
     del t

@@ -115,10 +115,10 @@ def test_mmap_prefer_takes_this_hosts_choice(no_leaked_fds: None) -> None:
     alloc = MmapHostTensorAllocator("thp", hugepages="prefer", hugepage_size="1GB")
     t = alloc.allocate((4 * MiB,), torch.uint8)
     region = alloc.regions[0]
-    assert region.thp_advised == choice.advise
+    assert region.facts.thp_advised == choice.advise
     expected = ("hugetlb_pool_short",) + (() if choice.advise else (choice.reason,))
-    assert region.hugepage_fallbacks == expected
-    flags = _vm_flags(region.address)
+    assert region.facts.hugepage_fallbacks == expected
+    flags = _vm_flags(region.facts.address)
     assert ("hg" in flags) == choice.advise
     assert ("nh" in flags) == choice.avoid
     alloc.close()

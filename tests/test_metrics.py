@@ -112,7 +112,7 @@ def test_values_equal_independent_measurements() -> None:
         region = anon.regions[0]
         assert (
             _value(samples, "hostpool_resident_bytes", pool="meas_anon")
-            == (helpers.mincore_resident(region.address, region.mapped_bytes))
+            == (helpers.mincore_resident(region.facts.address, region.facts.mapped_bytes))
             == 5 * 4096
         )
         assert (

@@ -5,6 +5,7 @@ a `VllmRegion` over real memory, with a stand-in for vLLM's region object)."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import mmap
 import os
@@ -14,8 +15,7 @@ import torch
 from hostpool.core.allocators import ShmHostTensorAllocator
 from hostpool.core.ledger import get_ledger
 from hostpool.integrations.vllm.recording import Populate, VllmRegion, record_region
-from hostpool.memory.holders import RegionFacts
-from hostpool.memory.interface import RegionLike
+from hostpool.memory.interface import RegionFacts, RegionLike
 from hostpool.memory.region import Region
 from hostpool.metrics import measure
 
@@ -23,11 +23,14 @@ MEMBERS = {name for name in vars(RegionLike) if not name.startswith("_")}
 
 
 def test_both_kinds_have_every_member_and_neither_inherits_the_other() -> None:
-    assert {"id", "pool", "mapped_bytes", "scrape", "close", "borrow_fd", "mmap"} <= MEMBERS
+    assert {"facts", "fd", "mapped", "scrape", "close", "borrow_fd", "mmap"} <= MEMBERS
     for cls in (Region, VllmRegion):
         assert all(hasattr(cls, m) or m in cls.__dataclass_fields__ for m in MEMBERS), cls
-    # VllmRegion is a fact record (RegionFacts) with vLLM's own members: no Region inside.
-    assert not issubclass(VllmRegion, Region) and VllmRegion.__mro__[1:] == (RegionFacts, object)
+        # The facts are one record, not members of each kind (nothing to drift apart).
+        assert cls.__dataclass_fields__["facts"].type in (RegionFacts, "RegionFacts")
+        assert not set(cls.__dataclass_fields__) & {f.name for f in dataclasses.fields(RegionFacts)}
+    # Neither inherits the other, nor a base class of facts.
+    assert VllmRegion.__mro__[1:] == (object,) and Region.__mro__[1:] == (object,)
     allocator = ShmHostTensorAllocator("iface")
     tensor = allocator.allocate((4096,), torch.uint8)
     region: RegionLike = allocator.regions[0]
@@ -69,16 +72,20 @@ def test_a_vllm_region_is_measured_snapshotted_and_released_like_any_other() -> 
     region = record_region(source, 0.01, Populate(mode="madvise", seconds=0.005))
     as_seen: RegionLike = region
     st = os.fstat(source.fd)
-    assert as_seen.dev_ino == (st.st_dev, st.st_ino) and as_seen.mmap() is None
-    assert (as_seen.pool, as_seen.kind, as_seen.backend) == ("vllm_offload", "shm", "devshm")
-    assert as_seen.name == "vllm_offload_x.mmap" and as_seen.mapped_bytes == nbytes
+    assert as_seen.facts.dev_ino == (st.st_dev, st.st_ino) and as_seen.mmap() is None
+    assert (as_seen.facts.pool, as_seen.facts.kind, as_seen.facts.backend) == (
+        "vllm_offload",
+        "shm",
+        "devshm",
+    )
+    assert as_seen.facts.name == "vllm_offload_x.mmap" and as_seen.facts.mapped_bytes == nbytes
     assert source.base_tensor is not None and source.fd is not None
-    assert as_seen.address == source.base_tensor.data_ptr()
+    assert as_seen.facts.address == source.base_tensor.data_ptr()
     assert as_seen.scrape() == (2, nbytes)  # vLLM's fd and mmap's dup; every page resident
     dup = as_seen.borrow_fd()
     assert dup is not None and os.fstat(dup).st_ino == st.st_ino
     os.close(dup)
-    [record] = [r for r in ledger.snapshot(["vllm_offload"]) if r.id == region.id]
+    [record] = [r for r in ledger.snapshot(["vllm_offload"]) if r.id == region.facts.id]
     assert (record.allocator, record.state, record.open_fds) == ("vllm_shared_region", "live", 2)
     assert (record.populate_mode, record.seals, record.pinned_bytes) == ("madvise", 0, 0)
     assert (record.device, record.inode) == (st.st_dev, st.st_ino)
@@ -97,6 +104,6 @@ def test_a_vllm_region_is_measured_snapshotted_and_released_like_any_other() -> 
     gc.collect()
     ledger.drain()
     assert not as_seen.mapped and as_seen.close() is True and as_seen.scrape() == (0, 0)
-    assert all(r.id != region.id for r in ledger.snapshot(["vllm_offload"]))
+    assert all(r.id != region.facts.id for r in ledger.snapshot(["vllm_offload"]))
     explicit = ledger.counters().releases_total.get(("vllm_offload", "explicit"), 0)
     assert explicit == explicit_before + 1  # cleanup() ran: mmap_obj is None

@@ -80,12 +80,12 @@ def pause_scrape(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Region],
 
         def fstat(fd: Any, *args: Any, **kwargs: Any) -> os.stat_result:
             st = real_fstat(fd, *args, **kwargs)
-            if (st.st_dev, st.st_ino) == region.dev_ino:
+            if (st.st_dev, st.st_ino) == region.facts.dev_ino:
                 pause_here()  # the fd-backed measurement: its own fd, fstat-ed
             return st
 
         def mincore(address: int, length: int) -> int:
-            if address <= region.address < address + length:
+            if address <= region.facts.address < address + length:
                 pause_here()  # the anonymous measurement: mincore over the range
             return real_mincore(address, length)
 
@@ -119,14 +119,14 @@ def _assert_gone(region: Region) -> None:
     """The region left the ledger and, for hostpool's own mappings, the address space."""
     ledger = get_ledger()
     ledger.drain()
-    assert region.id not in {e.region.id for e in ledger.entries()}
+    assert region.facts.id not in {e.region.facts.id for e in ledger.entries()}
     assert not region.mapped
     assert region.fd is None
-    if region.name is not None and region.kind == "shm":
-        assert helpers.maps_lines(region.name) == []
-        assert region.name not in "".join(helpers.fd_links().values())
-    elif region.kind == "mmap":
-        assert not helpers.range_mapped(region.address, region.mapped_bytes)
+    if region.facts.name is not None and region.facts.kind == "shm":
+        assert helpers.maps_lines(region.facts.name) == []
+        assert region.facts.name not in "".join(helpers.fd_links().values())
+    elif region.facts.kind == "mmap":
+        assert not helpers.range_mapped(region.facts.address, region.facts.mapped_bytes)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -107,9 +107,10 @@ class HostTensorAllocator:
         """
         address = int(tensor.data_ptr())
         for region in self._ledger.regions(owner=self._id):
-            start, end = region.address, region.address + max(region.mapped_bytes, 1)
+            start = region.facts.address
+            end = start + max(region.facts.mapped_bytes, 1)
             if start <= address < end:
-                gone = bool(self._ledger.release(region.id))
+                gone = bool(self._ledger.release(region.facts.id))
                 if self._retained is not None:
                     # Released first, then our reference to the region (a view may start
                     # anywhere inside it) dropped, so nothing of ours keeps it mapped.
@@ -130,7 +131,7 @@ class HostTensorAllocator:
             # them: dropping first would let the GC count the release as a leak.
             retained, self._retained = self._retained, None if self._retained is None else []
         for region in self._ledger.regions(owner=self._id):
-            self._ledger.release(region.id)
+            self._ledger.release(region.facts.id)
         del retained
 
     def __enter__(self) -> HostTensorAllocator:
@@ -151,7 +152,7 @@ class HostTensorAllocator:
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(r.mapped_bytes for r in self.regions)
+        return sum(r.facts.mapped_bytes for r in self.regions)
 
     def __repr__(self) -> str:
         return (
@@ -275,32 +276,33 @@ class HostTensorAllocator:
     def _emit_alloc(self, region: Region, seconds: float) -> None:
         if not events.stdlib_logger.isEnabledFor(logging.INFO):
             return  # the common case: nothing listens, build nothing
-        for reason in region.hugepage_fallbacks:
+        facts = region.facts
+        for reason in facts.hugepage_fallbacks:
             events.info(
                 "hostpool.hugepage_fallback",
-                pool=region.pool,
+                pool=facts.pool,
                 reason=reason,
-                bytes=region.mapped_bytes,
+                bytes=facts.mapped_bytes,
                 hugepages=self.options.hugepages,
             )
         events.debug(
             "hostpool.populate",
-            pool=region.pool,
-            mode=region.populate_mode,
-            bytes=region.mapped_bytes,
-            seconds=round(region.populate_seconds, 6),
+            pool=facts.pool,
+            mode=facts.populate_mode,
+            bytes=facts.mapped_bytes,
+            seconds=round(facts.populate_seconds, 6),
         )
         events.debug(  # per allocation: debug (`hostpool.pool_closed` sums a pool up)
             "hostpool.alloc",
-            pool=region.pool,
+            pool=facts.pool,
             allocator=self.registered_name,
-            bytes=region.mapped_bytes,
-            requested_bytes=region.requested_bytes,
+            bytes=facts.mapped_bytes,
+            requested_bytes=facts.requested_bytes,
             fd=region.fd,
-            name=region.name,
-            backend=region.backend,
-            page_size=region.page_size,
-            populate=region.populate_mode,
+            name=facts.name,
+            backend=facts.backend,
+            page_size=facts.page_size,
+            populate=facts.populate_mode,
             seconds=round(seconds, 6),
         )
 

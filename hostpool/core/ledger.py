@@ -160,7 +160,7 @@ class Ledger:
             collected_as="tensor" if owned_by_tensor else "finalizer",
         )
         with self._lock:
-            self._entries[region.id] = entry
+            self._entries[region.facts.id] = entry
             births = self._births
             births.append(entry)
             if len(births) < _SETTLE_EVERY and len(self._gone) < _SETTLE_EVERY:
@@ -173,15 +173,15 @@ class Ledger:
         births, self._births = self._births, []
         for entry in births:
             region = entry.region
-            pool = region.pool
+            pool = region.facts.pool
             entry.pinned = region.pinned_bytes
             self._count_live(entry, 1)
-            self._owner_bytes[entry.owner] += region.mapped_bytes
+            self._owner_bytes[entry.owner] += region.facts.mapped_bytes
             if pool not in self.known_pools:
                 self.known_pools[pool] = None
             self.allocations_total[(pool, entry.allocator)] += 1
             self._tally_owner(entry, "allocated")
-            for reason in region.hugepage_fallbacks:
+            for reason in region.facts.hugepage_fallbacks:
                 self.fallbacks_total[(pool, reason)] += 1
             histogram = self.durations.get(pool)
             if histogram is None:
@@ -189,12 +189,12 @@ class Ledger:
             histogram.observe(entry.seconds)
 
     def _count_live(self, entry: LedgerEntry, sign: int) -> None:
-        r = entry.region
-        self.live_bytes[(r.pool, entry.allocator, r.page_size)] += sign * r.mapped_bytes
-        self.live_count[(r.pool, entry.allocator)] += sign
-        self.live_modes[(r.pool, r.populate_mode)] += sign
+        f = entry.region.facts
+        self.live_bytes[(f.pool, entry.allocator, f.page_size)] += sign * f.mapped_bytes
+        self.live_count[(f.pool, entry.allocator)] += sign
+        self.live_modes[(f.pool, f.populate_mode)] += sign
         if entry.pinned:
-            self.live_pinned[r.pool] += sign * entry.pinned
+            self.live_pinned[f.pool] += sign * entry.pinned
 
     def record_failure(self, pool: str, reason: FailureReason) -> None:
         with self._locked():
@@ -224,13 +224,13 @@ class Ledger:
 
     def _count_end(self, entry: LedgerEntry, how: ReleaseHow) -> None:
         self._count_live(entry, -1)
-        self.releases_total[(entry.region.pool, how)] += 1
+        self.releases_total[(entry.region.facts.pool, how)] += 1
         self._tally_owner(entry, how)
 
     def _tally_owner(self, entry: LedgerEntry, what: str) -> None:
         tally = self._owner_ends.setdefault((entry.owner, what), [0, 0])
         tally[0] += 1
-        tally[1] += entry.region.mapped_bytes
+        tally[1] += entry.region.facts.mapped_bytes
 
     def take_owner_summary(self, owner: int) -> dict[str, tuple[int, int]]:
         """What `owner`'s regions did so far, {"allocated" or how released: (regions,
@@ -245,14 +245,14 @@ class Ledger:
         gone = region.close()
         with self._lock:
             if region.fd_reused is not None:
-                self.fd_reuse_skips[region.pool] += 1
-            if gone and self._entries.get(region.id) is entry:
-                if self._peers.get(region.id):
+                self.fd_reuse_skips[region.facts.pool] += 1
+            if gone and self._entries.get(region.facts.id) is entry:
+                if self._peers.get(region.facts.id):
                     entry.state = "released_shared"
                 else:
-                    self._forget(region.id)
+                    self._forget(region.facts.id)
         if region.fd_reused is not None:
-            emit_fd_reused(region.pool, region.fd_reused, region.name)
+            emit_fd_reused(region.facts.pool, region.fd_reused, region.facts.name)
         return gone
 
     def drain(self) -> None:
@@ -287,15 +287,19 @@ class Ledger:
                 if entry is None:
                     continue
                 if reused_fd is not None:
-                    self.fd_reuse_skips[entry.region.pool] += 1
-                    self._fd_reused_events.append((entry.region.pool, reused_fd, entry.region.name))
+                    self.fd_reuse_skips[entry.region.facts.pool] += 1
+                    self._fd_reused_events.append(
+                        (entry.region.facts.pool, reused_fd, entry.region.facts.name)
+                    )
                 if entry.state == "live":
                     self._begin_release_locked(entry, entry.ended_as(cause))
                 continue
             entry = self._entries.pop(region_id, None)
             if reused_fd is not None and entry is not None:
-                self.fd_reuse_skips[entry.region.pool] += 1
-                self._fd_reused_events.append((entry.region.pool, reused_fd, entry.region.name))
+                self.fd_reuse_skips[entry.region.facts.pool] += 1
+                self._fd_reused_events.append(
+                    (entry.region.facts.pool, reused_fd, entry.region.facts.name)
+                )
             if entry is None:
                 continue
             if entry.state == "live":
@@ -307,7 +311,7 @@ class Ledger:
                 entry.state = "released_shared"
                 self._entries[region_id] = entry
             else:
-                self._owner_bytes[entry.owner] -= entry.region.mapped_bytes
+                self._owner_bytes[entry.owner] -= entry.region.facts.mapped_bytes
 
     def set_peers(self, region_id: int, peers: int) -> None:
         """The share server's count of peers holding a region (0 forgets it)."""
@@ -322,7 +326,7 @@ class Ledger:
 
     def _forget(self, region_id: int) -> None:
         entry = self._entries.pop(region_id)
-        self._owner_bytes[entry.owner] -= entry.region.mapped_bytes
+        self._owner_bytes[entry.owner] -= entry.region.facts.mapped_bytes
 
     def held_bytes(self, owners: Iterable[int] | None = None) -> int:
         """Bytes the regions of these allocators (or of all) map: a budget's "held"."""
@@ -350,9 +354,10 @@ class Ledger:
         """Plain records of live and released-still-mapped regions, oldest first."""
         wanted = set(pools) if pools is not None else None
         return [
-            record_of(e, self._peers.get(e.region.id, 0))
+            record_of(e, self._peers.get(e.region.facts.id, 0))
             for e in self.entries()
-            if (wanted is None or e.region.pool in wanted) and (owners is None or e.owner in owners)
+            if (wanted is None or e.region.facts.pool in wanted)
+            and (owners is None or e.owner in owners)
         ]
 
     def counters(self) -> LedgerCounters:

@@ -52,11 +52,11 @@ def emit_leak(
 def emit_leaks(leaked: list[LedgerEntry]) -> None:
     """`hostpool.leak` for each region of a manager collected without close()."""
     for entry in leaked:
-        r = entry.region
+        f = entry.region.facts
         emit_leak(
-            r.pool,
-            r.mapped_bytes,
-            r.name,
+            f.pool,
+            f.mapped_bytes,
+            f.name,
             entry.allocator,
             entry.stack,
             why="its HostPoolManager was collected without close()",
@@ -76,16 +76,15 @@ def emit_releases(finished: list[tuple[ReleaseHow, LedgerEntry]], gone: bool | N
         level = release_level(how)
         if not events.stdlib_logger.isEnabledFor(level):
             continue
-        r = entry.region
-        still_mapped = r.mapped if gone is None else not gone
+        still_mapped = entry.region.mapped if gone is None else not gone
         events.emit(
             "hostpool.release",
             level,
             how=how,
-            pool=r.pool,
+            pool=entry.region.facts.pool,
             allocator=entry.allocator,
-            bytes=r.mapped_bytes,
-            name=r.name,
+            bytes=entry.region.facts.mapped_bytes,
+            name=entry.region.facts.name,
             # When the pages go: "now", or "with_last_view" when the caller still holds
             # views (the normal case for release(tensor)); neither is a problem.
             unmap="with_last_view" if still_mapped else "now",

@@ -116,31 +116,32 @@ class AllocationRecord:
 
 def record_of(entry: LedgerEntry, peers: int = 0) -> AllocationRecord:
     """The plain record of a ledger entry. Each region fact is named (not read by field
-    name), so mypy checks it against `RegionLike`."""
+    name), so mypy checks it against `RegionFacts`."""
     r = entry.region
-    dev_ino = r.dev_ino
+    f = r.facts
+    dev_ino = f.dev_ino
     return AllocationRecord(
-        id=r.id,
-        pool=r.pool,
+        id=f.id,
+        pool=f.pool,
         allocator=entry.allocator,
-        kind=r.kind,
-        backend=r.backend,
-        name=r.name,
+        kind=f.kind,
+        backend=f.backend,
+        name=f.name,
         state=entry.state,
-        requested_bytes=r.requested_bytes,
-        mapped_bytes=r.mapped_bytes,
-        page_size=r.page_size,
-        address=r.address,
+        requested_bytes=f.requested_bytes,
+        mapped_bytes=f.mapped_bytes,
+        page_size=f.page_size,
+        address=f.address,
         fd=r.fd,
         open_fds=r.open_fd_count(),
         device=dev_ino[0] if dev_ino else None,
         inode=dev_ino[1] if dev_ino else None,
-        created_at=r.created_at,
-        populate_mode=r.populate_mode,
-        populate_seconds=r.populate_seconds,
-        hugepage_fallbacks=r.hugepage_fallbacks,
-        seals=r.seals,
-        numa_node=r.numa_node,
+        created_at=f.created_at,
+        populate_mode=f.populate_mode,
+        populate_seconds=f.populate_seconds,
+        hugepage_fallbacks=f.hugepage_fallbacks,
+        seals=f.seals,
+        numa_node=f.numa_node,
         pinned_bytes=r.pinned_bytes,
         stack=entry.stack,
         dims=entry.dims,

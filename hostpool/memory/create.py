@@ -17,7 +17,7 @@ from typing import Any
 
 from hostpool.errors import AllocationError, HugepageUnavailableError
 from hostpool.memory import cuda, kernel, populate, shm, syscalls
-from hostpool.memory.holders import RegionFacts, holder_over_tensor, holder_type, region_over
+from hostpool.memory.holders import holder_over_tensor, holder_type, region_over
 from hostpool.memory.hugepages import HugepagePlan, plan_hugepages, required_message
 from hostpool.memory.options import RegionOptions
 from hostpool.memory.region import Region, RegionMapping
@@ -88,6 +88,23 @@ class _Builder:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+    def finish(self, on_unmapped: Callable[..., None] | None, **facts: Any) -> tuple[Region, Any]:
+        """(the Region over what was built, its holder), with `facts`: the `RegionFacts`
+        fields the maker knows. Ownership passes to the holder and the Region: the builder
+        drops its strong references."""
+        region = region_over(
+            self.holder,
+            on_unmapped,
+            mapping=self.mm,
+            fd=self.fd,
+            pinned_chunks=self.chunks,
+            **facts,
+        )
+        holder = self.holder
+        self.fd = self.mm = self.holder = self.torch_tensor = None
+        self.chunks = []
+        return region, holder
 
 
 def _populate(
@@ -266,26 +283,22 @@ def _create(
     if options.pin:
         b.chunks = _pin(address, mapped, options, page_size)
 
-    facts = RegionFacts(pool, kind, backend, nbytes, used, seconds, fallbacks, name, page_size)
-    region = region_over(
-        b.holder,
+    return b.finish(
         on_unmapped,
-        facts,
-        mapping=b.mm,
-        fd=b.fd,
-        pinned_chunks=b.chunks,
+        pool=pool,
+        kind=kind,
+        backend=backend,
+        requested_bytes=nbytes,
+        page_size=page_size,
+        name=name,
+        populate_mode=used,
+        populate_seconds=seconds,
+        hugepage_fallbacks=fallbacks,
         thp_advised=plan.thp,
         seals=seals,
         numa_node=options.numa_node,
         dev_ino=dev_ino,
     )
-    holder = b.holder
-    # Ownership passes to the holder: drop the builder's strong references.
-    b.fd = None
-    b.mm = None
-    b.holder = None
-    b.chunks = []
-    return region, holder
 
 
 def _map(
@@ -333,9 +346,13 @@ def _create_torch(
     seconds = time.perf_counter() - t_pop
     if options.pin:
         b.chunks = _pin(ctypes.addressof(holder), mapped, options, syscalls.PAGE_SIZE)
-    facts = RegionFacts(pool, "torch", "torch", nbytes, mode, seconds, plan.fallbacks)
-    region = region_over(holder, on_unmapped, facts, pinned_chunks=b.chunks)
-    b.torch_tensor = None
-    b.holder = None
-    b.chunks = []
-    return region, holder
+    return b.finish(
+        on_unmapped,
+        pool=pool,
+        kind="torch",
+        backend="torch",
+        requested_bytes=nbytes,
+        populate_mode=mode,
+        populate_seconds=seconds,
+        hugepage_fallbacks=plan.fallbacks,
+    )

@@ -2,10 +2,9 @@
 
 - The holder: a ctypes array over the mapping (or over memory torch or another allocator
   owns), and tensors over it that keep it alive (`holder_type`, `tensor_over`).
-- How a region was made, recorded the same way by every maker (hostpool's mappings,
-  torch's memory, memory another allocator owns): the facts the maker knows
-  (`RegionFacts`), and a region whose address and mapped bytes are its holder's, never
-  stated twice (`region_over`).
+- A region over a holder, made the same way by every maker (hostpool's mappings, torch's
+  memory, memory another allocator owns): its address and mapped bytes are its holder's,
+  never stated twice (`region_over`).
 - Regions over memory another allocator owns (sglang's mooncake, tensorcast, mori...;
   `adopt`): hostpool does not map or free such memory, it only describes it (bytes, pool,
   address, no fd). The holder keeps the foreign tensor alive, and the tensor handed back
@@ -19,12 +18,9 @@ import ctypes
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
 from typing import Any
 
-from hostpool.memory import syscalls
 from hostpool.memory.region import Region, new_region
-from hostpool.words import AllocatorKind, FallbackReason
 
 
 @functools.lru_cache(maxsize=512)
@@ -45,35 +41,17 @@ def tensor_over(holder: Any, dims: tuple[int, ...], dtype: Any) -> Any:
     return torch.frombuffer(holder, dtype=dtype, count=count).reshape(dims)
 
 
-@dataclass(frozen=True)
-class RegionFacts:
-    """What the maker of a region knows besides its holder (see `Region` for each field)."""
-
-    pool: str
-    kind: AllocatorKind
-    backend: str
-    requested_bytes: int
-    populate_mode: str = "none"
-    populate_seconds: float = 0.0
-    hugepage_fallbacks: tuple[FallbackReason, ...] = ()
-    name: str | None = None  # the memfd's or the mapping's name, as /proc shows it
-    page_size: int = syscalls.PAGE_SIZE
-
-
-def region_over(
-    holder: Any, on_unmapped: Callable[..., None] | None, facts: RegionFacts, **more: Any
-) -> Region:
-    """`new_region(holder, on_unmapped, ...)` with `facts`, the holder's address and size as
-    the region's address and mapped bytes, and `more` (mapping, fd, pinned_chunks, seals...:
-    the other keywords of `new_region`). Raises TypeError for a keyword Region lacks."""
-    known = {f.name: getattr(facts, f.name) for f in fields(facts)}
+def region_over(holder: Any, on_unmapped: Callable[..., None] | None, **facts: Any) -> Region:
+    """`new_region(holder, on_unmapped, ...)` whose address and mapped bytes are the
+    holder's, with `facts` (the other `RegionFacts` fields the maker knows: pool, kind,
+    backend, requested_bytes, populate...) and new_region's own keywords (mapping, fd,
+    pinned_chunks). Raises TypeError for a keyword neither takes."""
     return new_region(
         holder,
         on_unmapped,
         address=ctypes.addressof(holder),
         mapped_bytes=ctypes.sizeof(holder),
-        **known,
-        **more,
+        **facts,
     )
 
 
@@ -94,6 +72,13 @@ def adopt(tensor: Any, pool: str, on_unmapped: Callable[..., None] | None) -> tu
         tensor = tensor.contiguous()  # what a copy costs beats an untracked strided view
     nbytes = max(tensor.numel() * tensor.element_size(), 1)
     holder = holder_over_tensor(tensor, nbytes)  # the foreign memory lives as our views do
-    region = region_over(holder, on_unmapped, RegionFacts(pool, "torch", FOREIGN_BACKEND, nbytes))
+    region = region_over(
+        holder,
+        on_unmapped,
+        pool=pool,
+        kind="torch",
+        backend=FOREIGN_BACKEND,
+        requested_bytes=nbytes,
+    )
     view = tensor_over(holder, tuple(tensor.shape), tensor.dtype) if tensor.numel() else tensor
     return region, view

@@ -15,65 +15,59 @@ memory layer's concrete class. mypy checks each implementation against it where 
 implementation lives (a function under TYPE_CHECKING that returns an instance as
 `RegionLike`), so a member that drifts fails `make lint` in that one place.
 
-Every member is read-only here; measuring members (`mapped`, `open_fd_count`, `scrape`)
+Every member is read-only here: the facts of its birth are one frozen `RegionFacts` record
+(`region.facts`), the rest is live state. Measuring members (`mapped`, `open_fd_count`, `scrape`)
 run on any thread and hold no strong reference to the mapping (see `memory.region`).
 """
 
 from __future__ import annotations
 
 import mmap
-from typing import TYPE_CHECKING, Protocol
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
 
+from hostpool.memory.syscalls import PAGE_SIZE
 from hostpool.words import AllocatorKind, FallbackReason
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegionFacts:
+    """What a region is, fixed when it was made: plain values, one record whoever made it
+    (copied whole into records, snapshots and leak reports; nothing sets them later)."""
+
+    id: int
+    pool: str
+    kind: AllocatorKind
+    backend: str  # memfd, devshm, anon, torch, foreign
+    requested_bytes: int
+    mapped_bytes: int
+    address: int
+    page_size: int = PAGE_SIZE
+    # The memfd's or file's name as /proc shows it; None for anonymous memory.
+    name: str | None = None
+    populate_mode: str = "none"  # madvise, map_populate, touch, none
+    populate_seconds: float = 0.0
+    hugepage_fallbacks: tuple[FallbackReason, ...] = ()
+    thp_advised: bool = False
+    seals: int = 0
+    numa_node: int | None = None
+    # The inode of its fd; None: no fd (anonymous, torch, foreign memory).
+    dev_ino: tuple[int, int] | None = None
+    created_at: float = field(default_factory=time.time)
 
 
 class RegionLike(Protocol):
     """One allocation as the layers above the memory layer see it."""
 
-    # -- facts: plain values, fixed at birth --------------------------------------------
     @property
-    def id(self) -> int: ...
-    @property
-    def pool(self) -> str: ...
-    @property
-    def kind(self) -> AllocatorKind: ...
-    @property
-    def backend(self) -> str:
-        """memfd, devshm, anon, torch, foreign."""
-
-    @property
-    def name(self) -> str | None:
-        """The memfd's or file's name as /proc shows it; None for anonymous memory."""
-
-    @property
-    def requested_bytes(self) -> int: ...
-    @property
-    def mapped_bytes(self) -> int: ...
-    @property
-    def page_size(self) -> int: ...
-    @property
-    def address(self) -> int: ...
-    @property
-    def populate_mode(self) -> str: ...
-    @property
-    def populate_seconds(self) -> float: ...
-    @property
-    def hugepage_fallbacks(self) -> tuple[FallbackReason, ...]: ...
-    @property
-    def seals(self) -> int: ...
-    @property
-    def numa_node(self) -> int | None: ...
-    @property
-    def dev_ino(self) -> tuple[int, int] | None:
-        """The inode of its fd; None: no fd (anonymous, torch, foreign memory)."""
-
-    @property
-    def created_at(self) -> float: ...
+    def facts(self) -> RegionFacts:
+        """How it was made (`RegionFacts`)."""
 
     # -- state: read on any thread --------------------------------------------------------
     @property
     def fd(self) -> int | None:
-        """An fd number naming the region while there is one: verify `dev_ino` (or use
+        """An fd number naming the region while there is one: verify `facts.dev_ino` (or use
         `borrow_fd`) before acting on it."""
 
     @property
@@ -110,10 +104,3 @@ class RegionLike(Protocol):
         """The ledger's release: close what is hostpool's; True when the mapping is gone
         now, False while views (or its owner) still map it. Idempotent."""
         ...
-
-
-if TYPE_CHECKING:
-    from hostpool.memory.region import Region
-
-    def _region_conforms(region: Region) -> RegionLike:
-        return region  # mypy: Region implements RegionLike

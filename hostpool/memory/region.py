@@ -34,15 +34,15 @@ import contextlib
 import errno
 import mmap
 import os
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hostpool.base.locks import ForkSafeLock
 from hostpool.memory import cuda, syscalls
-from hostpool.words import AllocatorKind, EndCause, FallbackReason
+from hostpool.memory.interface import RegionFacts, RegionLike
+from hostpool.words import EndCause
 
 _region_ids = iter(range(1, 1 << 62))
 _region_ids_lock = ForkSafeLock()
@@ -63,37 +63,37 @@ def new_region(
     **facts: Any,
 ) -> Region:
     """The Region over `holder` (the object tensors are built over), with a fresh id and
-    its finalizers; the one way regions are made.
+        its finalizers; the one way regions are made.
 
-    `mapping`: the RegionMapping the holder was made from (`from_buffer`), whose end
-    closes `fd` (the region's own, now owned by the Region) and reports the region gone;
-    without one, the holder's end reports it gone. `pinned_chunks`: the ranges registered
-    with CUDA, unregistered when the last view dies (the list is the Region's from now
-    on). `facts`: the remaining Region fields (pool, kind, backend, bytes, populate...).
-    `on_unmapped` is the ledger's callback (see the module doc), or None.
+        `mapping`: the RegionMapping the holder was made from (`from_buffer`), whose end
+        closes `fd` (the region's own, now owned by the Region) and reports the region gone;
+        without one, the holder's end reports it gone. `pinned_chunks`: the ranges registered
+        with CUDA, unregistered when the last view dies (the list is the Region's from now
+        on). `facts`: the `RegionFacts` fields but `id` (pool, kind, backend, bytes, populate...);
+    an unknown one raises TypeError.
+        `on_unmapped` is the ledger's callback (see the module doc), or None.
     """
     chunks = pinned_chunks if pinned_chunks is not None else []
     fd_box = [fd] if fd is not None else []
     region = Region(
-        id=_next_region_id(),
+        facts=RegionFacts(id=_next_region_id(), **facts),
         pinned_chunks=chunks,
         _fd_box=fd_box,
         _mm_ref=weakref.ref(mapping) if mapping is not None else None,
         _holder_ref=weakref.ref(holder),
-        **facts,
     )
     finalizers: list[weakref.finalize[Any, Any]]
     if mapping is None:
-        finalizers = [weakref.finalize(holder, _views_gone, chunks, on_unmapped, region.id)]
+        finalizers = [weakref.finalize(holder, _views_gone, chunks, on_unmapped, region.facts.id)]
     else:
-        dev_ino = region.dev_ino
+        dev_ino = region.facts.dev_ino
         finalizers = [
-            weakref.finalize(holder, _views_gone, chunks, None, region.id),
+            weakref.finalize(holder, _views_gone, chunks, None, region.facts.id),
             weakref.finalize(
-                mapping, _mapping_gone, fd_box, on_unmapped, region.id, "collected", dev_ino
+                mapping, _mapping_gone, fd_box, on_unmapped, region.facts.id, "collected", dev_ino
             ),
         ]
-        mapping._on_close = (fd_box, on_unmapped, region.id, dev_ino)
+        mapping._on_close = (fd_box, on_unmapped, region.facts.id, dev_ino)
     for finalizer in finalizers:
         finalizer.atexit = False
     region._finalizers = finalizers
@@ -236,25 +236,10 @@ def _holder_alive(proxy: Any) -> bool:
 
 @dataclass
 class Region:
-    """One live allocation. Facts are plain values; the mapping is reached weakly."""
+    """One live allocation: the facts of its birth (`RegionFacts`), its fd, and its
+    mapping, reached weakly."""
 
-    id: int
-    pool: str
-    kind: AllocatorKind
-    backend: str  # memfd, devshm, anon, torch
-    name: str | None
-    requested_bytes: int
-    mapped_bytes: int
-    page_size: int
-    address: int
-    populate_mode: str  # madvise, map_populate, touch, none
-    populate_seconds: float
-    hugepage_fallbacks: tuple[FallbackReason, ...] = ()
-    thp_advised: bool = False
-    seals: int = 0
-    numa_node: int | None = None
-    dev_ino: tuple[int, int] | None = None  # None: no fd of its own
-    created_at: float = field(default_factory=time.time)
+    facts: RegionFacts
     pinned_chunks: list[tuple[int, int]] = field(default_factory=list, repr=False)
     _fd_box: list[int] = field(default_factory=list, repr=False)
     _mm_ref: weakref.ReferenceType[RegionMapping] | None = field(default=None, repr=False)
@@ -307,7 +292,7 @@ class Region:
         """fds the process holds for this region: its own, plus mmap's internal dup.
         Takes no reference to the mapping."""
         own = 1 if self._fd_box else 0
-        dup = 1 if (self.dev_ino is not None and _mapping_open(self._mm_proxy)) else 0
+        dup = 1 if (self.facts.dev_ino is not None and _mapping_open(self._mm_proxy)) else 0
         return own + dup
 
     def borrow_fd(self) -> int | None:
@@ -318,9 +303,9 @@ class Region:
         raises OSError: the region is still there, and the caller may free an fd and retry.
         """
         fd = self.fd
-        if fd is None or self.dev_ino is None:
+        if fd is None or self.facts.dev_ino is None:
             return None
-        return dup_if_same(fd, self.dev_ino)
+        return dup_if_same(fd, self.facts.dev_ino)
 
     def resident_bytes(self) -> int:
         """Bytes of this region backed by memory now; 0 once it is gone.
@@ -331,19 +316,19 @@ class Region:
         is never delayed by a measurement, and one that ends the region meanwhile makes
         it count 0 (mincore never touches the pages; on an unmapped range it is ENOMEM).
         """
-        if self.dev_ino is not None:
+        if self.facts.dev_ino is not None:
             return self.scrape()[1]
         if not self.mapped:
             return 0
-        start = self.address & ~(syscalls.PAGE_SIZE - 1)
-        length = self.address + self.mapped_bytes - start
+        start = self.facts.address & ~(syscalls.PAGE_SIZE - 1)
+        length = self.facts.address + self.facts.mapped_bytes - start
         try:
             pages = syscalls.mincore_resident_pages(start, length)
         except OSError:
             return 0  # ENOMEM: unmapped since the check above
         if not self.mapped:
             return 0  # gone during mincore: what it saw may be another mapping's pages
-        return min(self.mapped_bytes, pages * syscalls.PAGE_SIZE)
+        return min(self.facts.mapped_bytes, pages * syscalls.PAGE_SIZE)
 
     def scrape(self) -> tuple[int, int]:
         """(open fds, resident bytes) in one pass: what a scrape needs, as cheaply as it can.
@@ -353,7 +338,7 @@ class Region:
         mapping or the holder (see `resident_bytes`), so it may run on any thread while the
         region is released.
         """
-        if self.dev_ino is None:
+        if self.facts.dev_ino is None:
             return 0, self.resident_bytes()
         dup = 1 if _mapping_open(self._mm_proxy) else 0
         box = self._fd_box
@@ -363,10 +348,10 @@ class Region:
             st = os.fstat(box[0])
         except (OSError, IndexError):
             return dup, 0
-        if (st.st_dev, st.st_ino) != self.dev_ino:
+        if (st.st_dev, st.st_ino) != self.facts.dev_ino:
             return dup, 0
         blocks = st.st_blocks * 512
-        return 1 + dup, blocks if blocks < self.mapped_bytes else self.mapped_bytes
+        return 1 + dup, blocks if blocks < self.facts.mapped_bytes else self.facts.mapped_bytes
 
     def close(self) -> bool:
         """Release the Region's own fd and unmap if no view lives. Idempotent.
@@ -376,7 +361,7 @@ class Region:
         A number that names another file by now is left open and kept in `fd_reused`.
         """
         fd = _claim(self._fd_box)
-        if fd is not None and not close_if_same(fd, self.dev_ino):
+        if fd is not None and not close_if_same(fd, self.facts.dev_ino):
             self.fd_reused = fd
         mm = self.mmap()
         if mm is not None:
@@ -386,3 +371,9 @@ class Region:
                 return False
             return True
         return not self.views_alive()
+
+
+if TYPE_CHECKING:
+
+    def _conforms(region: Region) -> RegionLike:
+        return region  # mypy: Region implements RegionLike

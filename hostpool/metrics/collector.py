@@ -213,16 +213,16 @@ def measure(ledger: Ledger) -> dict[str, dict[tuple[str, ...], Any]]:
             continue  # no longer mapped here; peers hold it (see the snapshot)
         keys = entry.scrape_keys
         if keys is None:
-            pool = region.pool
+            pool = region.facts.pool
             keys = entry.scrape_keys = (
                 (pool,),
-                (pool, entry.allocator, _page_label(region.page_size)),
+                (pool, entry.allocator, _page_label(region.facts.page_size)),
             )
         pool_key, size_key = keys
         fds, resident_now = region.scrape()  # one fstat (or mincore), inode-checked
         open_fds[pool_key] += fds
         if state != "live":
-            released[pool_key] += region.mapped_bytes
+            released[pool_key] += region.facts.mapped_bytes
         else:
             resident[size_key] += resident_now
     out["hostpool_open_fds"].update(open_fds)

@@ -61,8 +61,8 @@ def _resident_by_id(manager: PoolManager, ids: set[int]) -> dict[int, int]:
     out: dict[int, int] = {}
     for entry in manager.ledger.entries():
         region = entry.region
-        if region.id in ids:
-            out[region.id] = 0 if entry.state == "released_shared" else region.scrape()[1]
+        if region.facts.id in ids:
+            out[region.facts.id] = 0 if entry.state == "released_shared" else region.scrape()[1]
     return out
 
 

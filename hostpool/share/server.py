@@ -135,7 +135,7 @@ class PoolShareServer:
         return [
             (e.region, e)
             for e in self.ledger.entries(owner=allocator.owner_id)
-            if e.state == "live" and e.region.kind == "shm"
+            if e.state == "live" and e.region.facts.kind == "shm"
         ]
 
     def _list(self) -> list[dict[str, Any]]:
@@ -147,7 +147,7 @@ class PoolShareServer:
                     {
                         "pool": pool,
                         "regions": len(regions),
-                        "bytes": sum(r.mapped_bytes for r, _ in regions),
+                        "bytes": sum(r.facts.mapped_bytes for r, _ in regions),
                     }
                 )
         return out
@@ -215,19 +215,20 @@ class PoolShareServer:
                 fd = self._with_fds(peer, region.borrow_fd)
                 if fd is None:  # released since the manager listed it
                     continue
-                named.append((region.name or str(region.id), fd))
+                facts = region.facts
+                named.append((facts.name or str(facts.id), fd))
                 manifest.append(
                     {
-                        "id": region.id,
-                        "name": region.name,
+                        "id": facts.id,
+                        "name": facts.name,
                         "dims": list(entry.dims),
                         "dtype": entry.dtype,
                         "layout": "contiguous",
-                        "bytes": region.mapped_bytes,
-                        "requested_bytes": region.requested_bytes,
-                        "page_size": region.page_size,
-                        "seals": region.seals,
-                        "backend": region.backend,
+                        "bytes": facts.mapped_bytes,
+                        "requested_bytes": facts.requested_bytes,
+                        "page_size": facts.page_size,
+                        "seals": facts.seals,
+                        "backend": facts.backend,
                     }
                 )
         except BaseException:

@@ -161,13 +161,18 @@ def test_churn_counts_balance_and_nothing_is_left(monkeypatch: pytest.MonkeyPatc
                     # log-uniform 4 KiB .. 64 MiB; the large end is rare, as in a server
                     nbytes = int(math.exp(rng.uniform(math.log(4096), math.log(64 << 20))))
                     t, region = alloc.allocate_region((nbytes,), torch.uint8, "cpu")
-                    if region.kind != "torch":
+                    if region.facts.kind != "torch":
                         # A signature at the start tells a leaked region from a later,
                         # unrelated mapping that happens to get the same address range.
-                        mark = SIGNATURE + region.id.to_bytes(8, "little")
+                        mark = SIGNATURE + region.facts.id.to_bytes(8, "little")
                         t[:16].copy_(torch.frombuffer(bytearray(mark), dtype=torch.uint8))
                         with lock:
-                            recorded[(region.address, region.address + region.mapped_bytes)] = mark
+                            recorded[
+                                (
+                                    region.facts.address,
+                                    region.facts.address + region.facts.mapped_bytes,
+                                )
+                            ] = mark
                     del region
                     roll = rng.random()
                     if roll < 0.5:

@@ -61,7 +61,7 @@ def test_memfd_unavailable_and_madvise_unsupported(monkeypatch: pytest.MonkeyPat
     auto = ShmHostTensorAllocator("seam")
     t = auto.allocate((2 * MiB,), torch.uint8)
     region = auto.regions[0]
-    assert (region.backend, region.populate_mode) == ("devshm", "map_populate")
+    assert (region.facts.backend, region.facts.populate_mode) == ("devshm", "map_populate")
     assert os.fstat(auto.fd).st_blocks * 512 == 2 * MiB
     with pytest.raises(AllocationError):
         ShmHostTensorAllocator("seam", shm_backend="memfd").allocate((4096,), torch.uint8)

@@ -27,7 +27,7 @@ def alloc_shm(
     try:
         fd = region.borrow_fd()
     except OSError as exc:  # no fd left for the caller's copy: undo it, count the failure
-        nbytes = region.mapped_bytes
+        nbytes = region.facts.mapped_bytes
         del tensor, region
         allocator.close()
         error = failure_from_oserror(exc, "alloc_shm: dup of the region's fd", nbytes)

@@ -151,7 +151,7 @@ class ForeignOwner:
 
         ledger = get_ledger()
         for region in ledger.regions(owner=self.id):
-            ledger.release(region.id)
+            ledger.release(region.facts.id)
 
 
 _foreign_ids = iter(range(1, 1 << 62))

@@ -232,7 +232,7 @@ def _ending(
 def _release_region(region: VllmRegion) -> None:
     from hostpool.core.ledger import get_ledger
 
-    get_ledger().release(region.id)
+    get_ledger().release(region.facts.id)
 
 
 _region_cleanup = _ending(_regions, _release_region)

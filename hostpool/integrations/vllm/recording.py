@@ -8,7 +8,6 @@ import functools
 import itertools
 import mmap
 import os
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,8 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from hostpool.base import events
 from hostpool.integrations.vllm import internals as vllm_internals
-from hostpool.memory.holders import RegionFacts
-from hostpool.memory.interface import RegionLike
+from hostpool.memory.interface import RegionFacts, RegionLike
 from hostpool.memory.region import dup_if_same
 
 POOL = "vllm_offload"
@@ -35,28 +33,22 @@ def next_owner_id() -> int:
     return -(_ID_BASE + next(_ids))
 
 
-@dataclass(frozen=True, eq=False, kw_only=True)
-class VllmRegion(RegionFacts):
+@dataclass(frozen=True, eq=False)
+class VllmRegion:
     """A `SharedOffloadRegion` as the ledger sees it (a `RegionLike`): vLLM owns the fd and
     the mapping, hostpool holds weak references and the inode (nothing here opens, maps or
-    closes). The facts of how it was made are its `RegionFacts` fields, as every maker
-    records them; vLLM maps exactly what it sized (`mapped_bytes`).
+    closes). How it was made is its `RegionFacts`, as every maker records them (vLLM maps
+    exactly what it sized; no seals, NUMA binding or THP advice of hostpool's).
 
     `fd` is vLLM's fd while it still names the region's inode; `open_fd_count()` is that
     fd plus mmap's internal dup while vLLM's mapping is open: what /proc/PID/fd shows.
     """
 
-    id: int
-    address: int
-    mapped_bytes: int
-    dev_ino: tuple[int, int]
+    facts: RegionFacts
     source: weakref.ReferenceType[Any] = field(repr=False)  # vLLM's SharedOffloadRegion
     mapping: weakref.ReferenceType[mmap.mmap] = field(repr=False)  # its mmap_obj
-    created_at: float = field(default_factory=time.time)
-    # What vLLM's region never has: seals, a NUMA binding, CUDA pins of hostpool's, an
-    # fd of hostpool's to leave open.
-    seals: int = field(default=0, init=False)
-    numa_node: int | None = field(default=None, init=False)
+    # What vLLM's region never has: CUDA pins of hostpool's, an fd of hostpool's to leave
+    # open.
     pinned_bytes: int = field(default=0, init=False, repr=False)
     fd_reused: int | None = field(default=None, init=False, repr=False)
 
@@ -74,9 +66,9 @@ class VllmRegion(RegionFacts):
             st = os.fstat(fd)
         except OSError:
             return None, 0
-        if (st.st_dev, st.st_ino) != self.dev_ino:
+        if (st.st_dev, st.st_ino) != self.facts.dev_ino:
             return None, 0  # closed by vLLM and the number reused: not ours to count
-        return fd, min(st.st_blocks * 512, self.mapped_bytes)
+        return fd, min(st.st_blocks * 512, self.facts.mapped_bytes)
 
     @property
     def mapped(self) -> bool:
@@ -91,8 +83,8 @@ class VllmRegion(RegionFacts):
         return self.scrape()[0]
 
     def borrow_fd(self) -> int | None:
-        fd = self.fd
-        return None if fd is None else dup_if_same(fd, self.dev_ino)
+        fd, dev_ino = self.fd, self.facts.dev_ino
+        return None if fd is None or dev_ino is None else dup_if_same(fd, dev_ino)
 
     def scrape(self) -> tuple[int, int]:
         fd, resident = self._stat()
@@ -129,22 +121,21 @@ def record_region(source: Any, seconds: float, populate: Populate) -> VllmRegion
     nbytes = state.total_size_bytes
     ledger = get_ledger()
     rid = next_owner_id()
-    region = VllmRegion(
+    facts = RegionFacts(
+        id=rid,
         pool=POOL,
+        address=state.address,
+        mapped_bytes=nbytes,  # vLLM maps exactly what it sized
         kind="shm",
         backend="devshm",
         requested_bytes=nbytes,
+        page_size=mmap.PAGESIZE,
+        name=os.path.basename(state.path),
         populate_mode=populate.mode,
         populate_seconds=populate.seconds,
-        name=os.path.basename(state.path),
-        page_size=mmap.PAGESIZE,
-        id=rid,
-        address=state.address,
-        mapped_bytes=nbytes,
         dev_ino=(st.st_dev, st.st_ino),
-        source=weakref.ref(source),
-        mapping=weakref.ref(state.mapping),
     )
+    region = VllmRegion(facts, source=weakref.ref(source), mapping=weakref.ref(state.mapping))
     # The mapping goes with vLLM's mmap object. Its end is explicit when vLLM's cleanup()
     # ran (the region object lives on with `mmap_obj = None`), else a leak: the object was
     # collected (its fd stays open: vLLM closes it only in cleanup()).
@@ -156,7 +147,7 @@ def record_region(source: Any, seconds: float, populate: Populate) -> VllmRegion
         pool=POOL,
         allocator=REGION_ALLOCATOR,
         bytes=nbytes,
-        name=region.name,
+        name=facts.name,
         fd=state.fd,
         rank=state.rank,
         seconds=round(seconds, 6),
@@ -188,7 +179,7 @@ def release_owner(owner: int) -> None:
 
     ledger = get_ledger()
     for region in ledger.regions(owner=owner):
-        ledger.release(region.id)
+        ledger.release(region.facts.id)
 
 
 @functools.cache
@@ -238,7 +229,7 @@ def record_tensor(tensor: Any, owner: int) -> Any:
         "hostpool.vllm.recorded",
         pool=POOL,
         allocator=TENSOR_ALLOCATOR,
-        bytes=region.mapped_bytes,
+        bytes=region.facts.mapped_bytes,
     )
     return view
 
