@@ -99,21 +99,33 @@ def _own_cpu_seconds(me: psutil.Process) -> float:
     return total
 
 
-@contextlib.contextmanager
-def other_cpu() -> Iterator[dict[str, float]]:
-    """What the rest of the machine did while the block ran: every CPU's busy time less
-    this process's and its descendants' (kernel workers count as others).
+class LoadMeter:
+    """What the rest of the machine has done since the meter was made: every CPU's busy
+    time less this process's and its descendants' (kernel workers count as others).
 
     The load average cannot tell this: it counts the benchmark's own children."""
-    me = psutil.Process()
+
+    def __init__(self) -> None:
+        self._me = psutil.Process()
+        self._busy, self._own = _busy_cpu_seconds(), _own_cpu_seconds(self._me)
+        self._start = time.monotonic()
+
+    def read(self) -> dict[str, float]:
+        """{"wall_s": seconds since the start, "other_cpus": other processes' CPUs on
+        average over them}."""
+        wall = time.monotonic() - self._start
+        other = (_busy_cpu_seconds() - self._busy) - (_own_cpu_seconds(self._me) - self._own)
+        # tick-granular counters on both sides: a small negative difference is rounding
+        return {"wall_s": wall, "other_cpus": max(0.0, other) / wall if wall > 0 else 0.0}
+
+
+@contextlib.contextmanager
+def other_cpu() -> Iterator[dict[str, float]]:
+    """`LoadMeter` over the block: the dict it yields is filled when the block ends."""
+    meter = LoadMeter()
     out: dict[str, float] = {}
-    busy, own, start = _busy_cpu_seconds(), _own_cpu_seconds(me), time.monotonic()
     yield out
-    wall = time.monotonic() - start
-    other = (_busy_cpu_seconds() - busy) - (_own_cpu_seconds(me) - own)
-    out["wall_s"] = wall
-    # tick-granular counters on both sides: a small negative difference is rounding
-    out["other_cpus"] = max(0.0, other) / wall if wall > 0 else 0.0
+    out.update(meter.read())
 
 
 # Other processes' CPU (average over a run's samples) above which its figures are not

@@ -10,8 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench._common import LoadMeter
 from hostpool.core.ledger import get_ledger
 from tests import helpers
+from tests.reliability import results
 
 SOAK = os.environ.get("HOSTPOOL_SOAK") == "1"
 SHMEM_SLACK = 16 << 20
@@ -26,6 +28,7 @@ def back_to_baseline() -> Iterator[None]:
     maps = helpers.maps_lines("hostpool.")
     ids = {r.id for r in ledger.snapshot()}
     shmem = helpers.tree_shmem_bytes()
+    results.start_test()
     yield
     gc.collect()
     ledger.drain()
@@ -36,6 +39,12 @@ def back_to_baseline() -> Iterator[None]:
 
 
 _results: dict[str, object] = {"passed": [], "failed": []}
+_session_meter: LoadMeter | None = None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _session_meter
+    _session_meter = LoadMeter() if SOAK else None
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -68,6 +77,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         "tests_failed": len(_results["failed"]),  # type: ignore[arg-type]
         "faults_injected": len(faults),
         "fault_cases": sorted(t.split("::")[-1] for t in faults),
+        # other processes' CPU over the whole run: the churn's figures are timings
+        "other_cpus": round(_session_meter.read()["other_cpus"], 3) if _session_meter else None,
     }
     path = Path(__file__).resolve().parents[2] / "bench" / "results" / "soak.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
