@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
+# torch's inductor (vLLM imports it) makes <tmp>/torchinductor_<user> on import: keep it
+# in the checkout, so neither a test run nor a bench leaves it in /tmp.
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/torchinductor
 
 .PHONY: run test test-fast lint docs bench soak dashboards prometheus kubectl sglang-libs vllm-venv clean
 

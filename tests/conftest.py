@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import getpass
 import glob
 import os
 import secrets
@@ -15,8 +17,8 @@ from tests import helpers
 # What a run must leave as it found it (compared at session end with session start).
 WATCHED_DIRS = ("/tmp", "/dev/shm")
 HUGEPAGE_COUNTS = "/sys/kernel/mm/hugepages/*/nr_hugepages"
-# pytest's own temporary directories (it keeps the last few runs' on purpose), and the
-# runtime directories of runs going on beside this one (each run removes its own).
+# pytest's per-user directory and the runtime directories of runs going on beside this
+# one (each run removes its own; pytest's, once empty, by the run that made it).
 NOT_LEFTOVERS = ("pytest-of-*", "hostpool-test-runtime-*")
 _before = pytest.StashKey[dict[str, set[str]]]()
 _runtime_dir = pytest.StashKey[str]()
@@ -39,10 +41,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # (kept for the next server): give this run's processes a runtime directory of its own.
     runtime = tempfile.mkdtemp(prefix="hostpool-test-runtime-")
     os.environ["XDG_RUNTIME_DIR"] = runtime
+    # torch's inductor (`import vllm` loads it) makes <tmp>/torchinductor_<user> unless
+    # told where (the Makefile names a directory in the checkout).
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(runtime, "torchinductor"))
     session.config.stash[_runtime_dir] = runtime
     session.config.stash[_before] = _state()
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own tmp_path clean-up
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Report what the run left in /tmp or /dev/shm, or changed in nr_hugepages, that was
     not so at its start; with HOSTPOOL_LEFTOVER_CHECK=1 (`make test`) the run fails then.
@@ -54,6 +60,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     before = session.config.stash.get(_before, None)
     if before is None:
         return
+    _remove_pytest_root(before)
     after = _state()
     left = []
     for where, names in after.items():
@@ -82,6 +89,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             reporter.write_line(path)
     if strict:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _remove_pytest_root(before: dict[str, set[str]]) -> None:
+    """pytest's per-user directory (<tmp>/pytest-of-<user>) when this run made it and left
+    it empty (retention "none": each run's own directory is already gone)."""
+    name = f"pytest-of-{getpass.getuser()}"
+    if name in before.get(tempfile.gettempdir(), {name}):
+        return
+    with contextlib.suppress(OSError):  # not empty: a run beside this one uses it
+        os.rmdir(os.path.join(tempfile.gettempdir(), name))
 
 
 @pytest.fixture
