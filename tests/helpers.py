@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,15 +182,7 @@ def run_forked(fn: object, *, uid: int | None = None, timeout: float = 60) -> tu
         code = 0
         try:
             os.close(r)
-            # A real peer holds none of the parent's fds: drop every inherited one.
-            os.closerange(3, w)
-            os.closerange(w + 1, 65536)
-            if "torch" in sys.modules:  # the parent's OpenMP pool does not survive fork
-                sys.modules["torch"].set_num_threads(1)
-            if uid is not None:
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)
+            _enter_child({w}, uid)
             out = fn()  # type: ignore[operator]
             os.write(w, str(out).encode())
         except BaseException as exc:  # report everything, exit non-zero
@@ -316,3 +308,250 @@ def hostpool_on_tty(*args: str, timeout: float = 60) -> tuple[int, str]:
         chunks.append(data)
     os.close(leader)
     return proc.wait(timeout=timeout), b"".join(chunks).decode(errors="replace")
+
+
+# -- forked peers, hostpool and Prometheus processes, SysV segments ----------------------
+# (shared by the CLI, exporter, serve and share-attack tests)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _enter_child(keep: set[int], uid: int | None) -> None:
+    """In a forked child: close every inherited fd but `keep` (a real peer holds none of
+    the parent's), make torch usable after the fork, and become `uid` if given."""
+    low = 3
+    for fd in sorted(keep):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 65536)
+    if "torch" in sys.modules:  # the parent's OpenMP pool does not survive fork
+        sys.modules["torch"].set_num_threads(1)
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+
+
+class Held:
+    """A forked process (as `uid`, if given) that ran `fn`, reported its JSON-able result
+    through a pipe, and keeps everything it made (fds, mappings, hugepages) until `end()`.
+    `prepare()`, if given, runs in the child before it gives up root (a raised rlimit).
+
+    Forking after imports lets a child drop to an unprivileged uid even where that uid
+    could not exec this interpreter (it lives under /root here). The result is read with a
+    generous upper bound, never a sleep: the pipe is the event.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[], object],
+        *,
+        uid: int | None = None,
+        prepare: Callable[[], None] | None = None,
+    ) -> None:
+        import json
+        import select
+        import time
+
+        ready_r, ready_w = os.pipe()
+        stop_r, stop_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child
+            code = 0
+            try:
+                os.close(ready_r)
+                os.close(stop_w)
+                if prepare is not None:
+                    prepare()
+                _enter_child({ready_w, stop_r}, uid)
+                result = fn()
+                os.write(ready_w, json.dumps({"result": result}).encode() + b"\n")
+                os.read(stop_r, 1)
+            except BaseException as exc:
+                with contextlib.suppress(OSError):
+                    os.write(ready_w, json.dumps({"error": repr(exc)}).encode() + b"\n")
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(ready_w)
+        os.close(stop_r)
+        self.pid, self._stop_w = pid, stop_w
+        chunks: list[bytes] = []
+        deadline = time.monotonic() + 120
+        while not chunks or not chunks[-1].endswith(b"\n"):
+            ready, _, _ = select.select([ready_r], [], [], max(0.0, deadline - time.monotonic()))
+            data = os.read(ready_r, 65536) if ready else b""
+            if not data:
+                break
+            chunks.append(data)
+        os.close(ready_r)
+        report = json.loads(b"".join(chunks) or b'{"error": "no report"}')
+        if "error" in report:
+            self.end()
+            raise AssertionError(f"held process failed: {report['error']}")
+        self.result: Any = report["result"]
+
+    def end(self) -> int:
+        """Let the process exit; its exit code."""
+        if self._stop_w >= 0:
+            os.close(self._stop_w)
+            self._stop_w = -1
+        _, status = os.waitpid(self.pid, 0)
+        return os.waitstatus_to_exitcode(status)
+
+
+@contextlib.contextmanager
+def held_child(fn: Callable[[], object], *, uid: int | None = None) -> Iterator[int]:
+    """A `Held` process, alive until the block ends: its pid."""
+    process = Held(fn, uid=uid)
+    try:
+        yield process.pid
+    finally:
+        process.end()
+
+
+@contextlib.contextmanager
+def public_dir(prefix: str) -> Iterator[str]:
+    """A new directory under /tmp every uid can traverse (pytest's tmp_path is 0700),
+    removed with what is in it at the end."""
+    import shutil
+    import tempfile
+
+    top = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    try:
+        os.chmod(top, 0o755)
+        yield top
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def hostpool(
+    *args: str, prefix: Sequence[str] = (), preexec: Callable[[], None] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The real `hostpool ARGS` from the repository root (behind `prefix`, a wrapper such as
+    setpriv), its output captured."""
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "hostpool", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=preexec,
+    )
+
+
+def start_hostpool(log: str, *args: str, url: str) -> tuple[subprocess.Popen[str], str]:
+    """`hostpool ARGS` from the repository root, its stderr into `log`, once it logged the
+    URL of its /metrics: the process and the first group of the pattern `url` in the log."""
+    import re
+
+    from tests import waiting
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hostpool", *args],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "w"),  # noqa: SIM115 (the child owns it)
+        text=True,
+    )
+    try:
+        text = waiting.wait_for_log(log, '/metrics"', alive=proc)
+    except AssertionError:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"{args[0]} did not start: {waiting.log_text(log)}") from None
+    match = re.search(url, text)
+    assert match is not None, text
+    return proc, match.group(1)
+
+
+@contextlib.contextmanager
+def exporters() -> Iterator[Callable[..., str]]:
+    """Starts `hostpool exporter ARGS --port 0` on each call: its /metrics URL (from its
+    log). All stop at the end (SIGTERM is a clean stop)."""
+    from tests import exporting
+
+    servers: list[exporting.Exporter] = []
+
+    def start(*args: str) -> str:
+        servers.append(exporting.start_exporter(*args))
+        return servers[-1].url
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@contextlib.contextmanager
+def prometheus(config: Path, directory: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A real Prometheus on a free loopback port with `config`, its data and log in
+    `directory`: the process and its base URL. Stopped with SIGTERM at the end."""
+    import signal
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    proc = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={directory / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(directory / "prometheus.log", "w"),  # noqa: SIM115 (the child owns it)
+    )
+    try:
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def prometheus_api(base: str, path: str, **params: str) -> Any:
+    """The `data` of Prometheus's answer to GET /api/v1/PATH?PARAMS (asserted a success)."""
+    import json
+    import urllib.parse
+    import urllib.request
+
+    url = f"{base}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.shmat.restype = ctypes.c_void_p
+_libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+_libc.shmdt.argtypes = [ctypes.c_void_p]
+_libc.shmctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+IPC_PRIVATE, IPC_CREAT, IPC_RMID = 0, 0o1000, 0
+
+
+@contextlib.contextmanager
+def sysv_attached(shmid: int) -> Iterator[int]:
+    """SysV segment `shmid` attached to this process while the block runs: its address."""
+    addr = _libc.shmat(shmid, None, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+    try:
+        yield addr
+    finally:
+        assert _libc.shmdt(ctypes.c_void_p(addr)) == 0
+
+
+@contextlib.contextmanager
+def sysv_segment(size: int, touched: int) -> Iterator[int]:
+    """A real private SysV segment of `size` bytes, its first `touched` bytes written, with
+    no attachment: its id. Removed at the end."""
+    shmid = _libc.shmget(IPC_PRIVATE, size, IPC_CREAT | 0o600)
+    assert shmid >= 0, os.strerror(ctypes.get_errno())
+    try:
+        with sysv_attached(shmid) as addr:
+            ctypes.memset(addr, 1, touched)
+        yield shmid
+    finally:
+        _libc.shmctl(shmid, IPC_RMID, None)
