@@ -12,7 +12,7 @@ import torch
 
 from hostpool import AllocationError, HostPoolManager, ShmHostTensorAllocator
 from hostpool.memory import kernel
-from tests import helpers
+from tests import helpers, memory_support
 
 MiB = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -112,20 +112,7 @@ def test_eight_threads_never_overshoot_a_budget() -> None:
 
 
 def test_over_a_cgroup_v1_memory_limit(root: None) -> None:
-    own = None
-    with open("/proc/self/cgroup") as f:
-        for line in f:
-            _, controllers, path = line.strip().split(":", 2)
-            if "memory" in controllers.split(","):
-                own = path
-    base = f"/sys/fs/cgroup/memory{own}" if own is not None else None
-    if base is None or not os.path.isdir(base):
-        pytest.skip("no cgroup v1 memory controller here")
-    group = os.path.join(base, f"hostpool-test-{os.getpid()}")
-    os.mkdir(group)
-    try:
-        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(512 * MiB))
+    with helpers.memory_cgroup("hostpool-test", 512 * MiB) as group:
         proc = helpers.run_python(
             f"""
             import os, torch
@@ -146,8 +133,6 @@ def test_over_a_cgroup_v1_memory_limit(root: None) -> None:
         assert "refused:" in proc.stdout
         assert "memory.limit_in_bytes" in proc.stdout and "need 1073741824 bytes" in proc.stdout
         assert "limit 536870912 bytes" in proc.stdout
-    finally:
-        os.rmdir(group)
 
 
 def test_collected_and_shared_bytes_come_back_to_the_budget() -> None:
@@ -214,27 +199,10 @@ def test_hugetlb_requests_are_held_to_the_explicit_budget(hugepages_2m: int) -> 
         assert alloc.regions == []
 
 
-def _v2_hugetlb_group() -> str:
-    unified = "/sys/fs/cgroup/unified"
-    if not os.path.exists(os.path.join(unified, "cgroup.controllers")):
-        unified = "/sys/fs/cgroup"
-    with open(os.path.join(unified, "cgroup.controllers")) as f:
-        if "hugetlb" not in f.read().split():
-            pytest.skip("no hugetlb controller in the v2 hierarchy")
-    with open(os.path.join(unified, "cgroup.subtree_control"), "w") as f:
-        f.write("+hugetlb")
-    return unified
-
-
 def test_a_hugepage_fallback_is_admitted_like_any_request(hugepages_2m: int) -> None:
     """hugetlb refused (a hugetlb cgroup limit): `prefer` falls back to normal pages, and
     that fallback meets the budget too."""
-    unified = _v2_hugetlb_group()
-    group = os.path.join(unified, f"hostpool-fallback-{os.getpid()}")
-    os.mkdir(group)
-    try:
-        with open(os.path.join(group, "hugetlb.2MB.max"), "w") as f:
-            f.write("0")
+    with memory_support.hugetlb_cgroup("hostpool-fallback", 0) as group:
         proc = helpers.run_python(
             f"""
             import os, torch
@@ -261,32 +229,12 @@ def test_a_hugepage_fallback_is_admitted_like_any_request(hugepages_2m: int) -> 
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "refused budget" in proc.stdout
         assert "page 4096 ('hugetlb_pool_short'" in proc.stdout
-    finally:
-        os.rmdir(group)
-
-
-def _v1_memory_group(limit: int) -> str:
-    own = None
-    with open("/proc/self/cgroup") as f:
-        for line in f:
-            _, controllers, path = line.strip().split(":", 2)
-            if "memory" in controllers.split(","):
-                own = path
-    base = f"/sys/fs/cgroup/memory{own}" if own is not None else None
-    if base is None or not os.path.isdir(base):
-        pytest.skip("no cgroup v1 memory controller here")
-    group = os.path.join(base, f"hostpool-plain-{os.getpid()}")
-    os.mkdir(group)
-    with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
-        f.write(str(limit))
-    return group
 
 
 def test_every_allocation_path_meets_the_cgroup_it_is_in_now(root: None) -> None:
     """Plain allocators, alloc_shm, and a manager whose process moved after its first
     allocation: 256 MiB inside a 128 MiB cgroup v1 limit is a typed error, not OOM."""
-    group = _v1_memory_group(128 * MiB)
-    try:
+    with helpers.memory_cgroup("hostpool-plain", 128 * MiB) as group:
         proc = helpers.run_python(
             f"""
             import os, torch
@@ -325,8 +273,6 @@ def test_every_allocation_path_meets_the_cgroup_it_is_in_now(root: None) -> None
             "manager budget True",
         ):
             assert expected in proc.stdout, (expected, lines)
-    finally:
-        os.rmdir(group)
 
 
 def test_no_free_fds_is_fd_limit_counted_never_a_raw_oserror() -> None:

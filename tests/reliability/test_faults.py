@@ -13,7 +13,7 @@ import torch
 from hostpool import AllocationError, HostPoolManager, ShmHostTensorAllocator
 from hostpool.core.ledger import get_ledger
 from hostpool.memory import cuda
-from tests import helpers
+from tests import helpers, memory_support
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MiB = 1 << 20
@@ -114,19 +114,7 @@ def test_tiny_tmpfs_ends_in_enospc(root: None, tmp_path: os.PathLike[str]) -> No
 def test_hugetlb_cgroup_limit(root: None) -> None:
     """A hugetlb.2MB.max cgroup limit: refused before any page is touched, by a manager's
     budget and by the process-wide admission of a plain allocator alike."""
-    unified = "/sys/fs/cgroup/unified"
-    if not os.path.exists(os.path.join(unified, "cgroup.controllers")):
-        unified = "/sys/fs/cgroup"
-    with open(os.path.join(unified, "cgroup.controllers")) as f:
-        if "hugetlb" not in f.read().split():
-            pytest.skip("no hugetlb controller in the v2 hierarchy")
-    group = os.path.join(unified, f"hostpool-test-{os.getpid()}")
-    with open(os.path.join(unified, "cgroup.subtree_control"), "w") as f:
-        f.write("+hugetlb")
-    os.mkdir(group)
-    try:
-        with open(os.path.join(group, "hugetlb.2MB.max"), "w") as f:
-            f.write(str(4 * MiB))
+    with memory_support.hugetlb_cgroup("hostpool-test", 4 * MiB) as group:
         with helpers.reserved_hugepages(16):
             proc = _child(
                 f"""
@@ -151,8 +139,6 @@ def test_hugetlb_cgroup_limit(root: None) -> None:
             )
         assert "budget: hugepages True" in proc.stdout
         assert "plain: hugepages True" in proc.stdout  # not a populate EFAULT, nor SIGBUS
-    finally:
-        os.rmdir(group)
 
 
 def test_out_of_fds_while_lending_one_is_an_error_not_a_release() -> None:

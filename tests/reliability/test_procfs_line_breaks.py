@@ -160,19 +160,7 @@ def test_a_cgroup_named_with_line_breaks_is_read_as_one_line(root: None) -> None
     """/proc/self/cgroup writes a cgroup's name as it is: a process in a cgroup named
     with `\\x0b`, `\\x85` or `\\r` (a delegated cgroup's owner picks its name) reads its
     own limit, where splitlines() once made a line of the name's tail and failed."""
-    own = None
-    with open("/proc/self/cgroup", "rb") as f:
-        for line in f.read().decode().split("\n"):
-            if line and "memory" in line.split(":", 2)[1].split(","):
-                own = line.split(":", 2)[2]
-    base = f"/sys/fs/cgroup/memory{own}" if own is not None else None
-    if base is None or not os.path.isdir(base):
-        pytest.skip("no cgroup v1 memory controller here")
-    group = os.path.join(base, f"hostpool-t{os.getpid()}\x0bx:y\x85z\rw")
-    os.mkdir(group)
-    try:
-        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(512 << 20))
+    with helpers.memory_cgroup("hostpool-t\x0bx:y\x85z\rw", 512 << 20) as group:
         procs = os.path.join(group, "cgroup.procs")
         code = (
             "import os\n"
@@ -186,5 +174,3 @@ def test_a_cgroup_named_with_line_breaks_is_read_as_one_line(root: None) -> None
         )
         assert result.returncode == 0, result.stderr
         assert int(result.stdout) <= 512 << 20
-    finally:
-        os.rmdir(group)
