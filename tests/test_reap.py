@@ -68,6 +68,20 @@ def _object(view: HostView, st: os.stat_result) -> HostObject:
     return found[0]
 
 
+def _orphan(shm_files: list[str], name: str | None = None) -> tuple[str, os.stat_result]:
+    """An orphan planted on /dev/shm as `name` (else `_name()`), removed at the end if
+    still there: its path and stat."""
+    path = f"/dev/shm/{name or _name()}"
+    shm_files.append(path)
+    return path, _plant(path)
+
+
+def _scanned(st: os.stat_result) -> tuple[HostView, HostObject]:
+    """A host scan and the planted file's object in it."""
+    view = scan.scan_host()
+    return view, _object(view, st)
+
+
 def _mine(plan: reap.Plan, *objects: HostObject) -> tuple[HostObject, ...]:
     """The plan's candidates that are this test's (never another test's orphans)."""
     ids = {o.identity for o in objects}
@@ -150,9 +164,7 @@ def test_durations_print_short() -> None:
 
 
 def test_an_orphan_on_dev_shm_is_removed_with_one_event(shm_files: list[str]) -> None:
-    path = f"/dev/shm/{_name()}"
-    shm_files.append(path)
-    st = _plant(path)
+    path, st = _orphan(shm_files)
     obj = _object(scan.scan_host(), st)
     assert (obj.kind, obj.engine, obj.orphan, obj.path) == ("file", "vllm", True, path)
     mine = _mine(reap.plan(scan.scan_host(), ANY_AGE), obj)
@@ -172,12 +184,9 @@ def test_an_orphan_on_dev_shm_is_removed_with_one_event(shm_files: list[str]) ->
 
 @pytest.mark.parametrize("how", ["fd", "mapping"])
 def test_a_held_file_is_never_a_candidate(shm_files: list[str], how: str) -> None:
-    path = f"/dev/shm/{_name()}"
-    shm_files.append(path)
-    st = _plant(path)
+    path, st = _orphan(shm_files)
     with holder(path, how) as proc:
-        view = scan.scan_host()
-        obj = _object(view, st)
+        view, obj = _scanned(st)
         assert not obj.orphan and [h.pid for h in obj.holders] == [proc.pid]
         assert _mine(reap.plan(view, reap.Selection(min_age=0.0, engines=EVERY_ENGINE)), obj) == ()
         assert os.path.exists(path)
@@ -187,9 +196,7 @@ def test_a_held_file_is_never_a_candidate(shm_files: list[str], how: str) -> Non
 def test_a_file_opened_after_the_scan_is_kept(shm_files: list[str], how: str) -> None:
     """The race: the scan saw an orphan, a process opens (or maps) it before the unlink;
     the holders read again right before the unlink keep it."""
-    path = f"/dev/shm/{_name()}"
-    shm_files.append(path)
-    st = _plant(path)
+    path, st = _orphan(shm_files)
     mine = _mine(reap.plan(scan.scan_host(), ANY_AGE), _object(scan.scan_host(), st))
     assert len(mine) == 1
     with holder(path, how) as proc:
@@ -217,9 +224,7 @@ def test_an_orphan_in_another_mount_namespace_is_removed_through_proc_root() -> 
 def test_a_symlink_put_in_its_place_is_never_followed(shm_files: list[str], tmp_path: Path) -> None:
     """After the scan, the orphan's name becomes a symlink to a file on disk: the file
     survives and the symlink is left as it is."""
-    path = f"/dev/shm/{_name()}"
-    shm_files.append(path)
-    st = _plant(path)
+    path, st = _orphan(shm_files)
     mine = _mine(reap.plan(scan.scan_host(), ANY_AGE), _object(scan.scan_host(), st))
     target = tmp_path / "precious"
     target.write_bytes(b"keep me")
@@ -258,11 +263,8 @@ def test_a_file_off_tmpfs_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_fresh_orphan_under_min_age_is_left(shm_files: list[str]) -> None:
-    path = f"/dev/shm/{_name()}"
-    shm_files.append(path)
-    st = _plant(path)
-    view = scan.scan_host()
-    obj = _object(view, st)
+    path, st = _orphan(shm_files)
+    view, obj = _scanned(st)
     planned = reap.plan(view, reap.Selection(min_age=600.0))
     assert _mine(planned, obj) == ()
     assert [s.reason for s in planned.skipped if s.obj.identity == obj.identity] == [
@@ -275,11 +277,8 @@ def test_a_fresh_orphan_under_min_age_is_left(shm_files: list[str]) -> None:
 
 def test_a_scan_cut_short_plans_nothing(shm_files: list[str]) -> None:
     """Holders of processes a deadline left unread are missing: its orphans may not be."""
-    path = f"/dev/shm/{_name()}"
-    shm_files.append(path)
-    st = _plant(path)
-    view = scan.scan_host()
-    obj = _object(view, st)
+    _, st = _orphan(shm_files)
+    view, obj = _scanned(st)
     assert len(_mine(reap.plan(view, ANY_AGE), obj)) == 1
     planned = reap.plan(dataclasses.replace(view, complete=False), ANY_AGE)
     assert planned.candidates == ()
@@ -289,11 +288,8 @@ def test_a_scan_cut_short_plans_nothing(shm_files: list[str]) -> None:
 
 
 def test_unknown_engines_only_when_asked(shm_files: list[str]) -> None:
-    path = f"/dev/shm/reaptest_{secrets.token_hex(6)}"
-    shm_files.append(path)
-    st = _plant(path)
-    view = scan.scan_host()
-    obj = _object(view, st)
+    _, st = _orphan(shm_files, f"reaptest_{secrets.token_hex(6)}")
+    view, obj = _scanned(st)
     assert obj.engine == "unknown"
     assert _mine(reap.plan(view, ANY_AGE), obj) == ()
     widened = reap.Selection(min_age=0.0, engines=frozenset({"unknown"}))
