@@ -215,6 +215,18 @@ def test_get_allocator_type(args: dict[str, object], expected: str) -> None:
     assert get_allocator_type(SimpleNamespace(**args)) == expected
 
 
+def _extra_config_file(directory: os.PathLike[str], name: str, text: str) -> dict[str, str]:
+    """The args of sglang's dynamic backend whose extra config is `@file`: `text` written to
+    `name` in `directory`."""
+    path = os.path.join(directory, name)
+    with open(path, "w") as f:
+        f.write(text)
+    return {
+        "hicache_storage_backend": "dynamic",
+        "hicache_storage_backend_extra_config": "@" + path,
+    }
+
+
 @pytest.mark.parametrize(
     "suffix,text",
     [
@@ -225,14 +237,7 @@ def test_get_allocator_type(args: dict[str, object], expected: str) -> None:
     ],
 )
 def test_extra_config_files(tmp_path: os.PathLike[str], suffix: str, text: str) -> None:
-    path = os.path.join(tmp_path, "extra" + suffix)
-    with open(path, "w") as f:
-        f.write(text)
-    args = {
-        "hicache_storage_backend": "dynamic",
-        "hicache_storage_backend_extra_config": "@" + path,
-    }
-    assert get_allocator_type(args) == "shm"
+    assert get_allocator_type(_extra_config_file(tmp_path, "extra" + suffix, text)) == "shm"
 
 
 def test_a_non_string_allocator_in_the_extra_config_is_sglangs_dynamic() -> None:
@@ -284,13 +289,7 @@ def test_malformed_extra_config_answers_as_sglang_with_a_warning(extra: object) 
     [(".json", "{"), (".toml", "allocator = "), (".yaml", "a: [1"), (".ini", "[x]")],
 )
 def test_malformed_extra_config_files(tmp_path: os.PathLike[str], suffix: str, text: str) -> None:
-    path = os.path.join(tmp_path, "bad" + suffix)
-    with open(path, "w") as f:
-        f.write(text)
-    args = {
-        "hicache_storage_backend": "dynamic",
-        "hicache_storage_backend_extra_config": "@" + path,
-    }
+    args = _extra_config_file(tmp_path, "bad" + suffix, text)
     with structlog.testing.capture_logs() as logs:
         assert get_allocator_type(args) == "dynamic"
     assert "bad" + suffix in str(_one_warning(logs)["error"])

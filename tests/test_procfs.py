@@ -149,21 +149,27 @@ def test_one_mmap_split_into_vmas_is_one_mapping(memfd: tuple[str, int]) -> None
         mm.close()
 
 
-def test_hugetlb_pages_count_as_resident(hugepages_2m: int) -> None:
-    size = 2 * MiB
+@pytest.fixture
+def touched_hugepage(hugepages_2m: int) -> Iterator[str]:
+    """A hugetlb memfd of one 2 MiB page, mapped here and touched: its name."""
     name = f"hostpool.huge.{os.getpid()}.0"
     fd = os.memfd_create(name, os.MFD_CLOEXEC | MFD_HUGETLB | MFD_HUGE_2MB)
     try:
-        os.ftruncate(fd, size)
-        with mmap.mmap(fd, size) as mm:
+        os.ftruncate(fd, 2 * MiB)
+        with mmap.mmap(fd, 2 * MiB) as mm:
             mm[0] = 1
-            (m,) = [m for m in procgroup.shm_mappings("self", usage=True) if m.name.name == name]
-            assert m.usage is not None
-            assert m.usage.rss == 0  # hugetlb pages are not in Rss
-            assert m.usage.resident_bytes == size
-            assert m.usage.kernel_page_size == size
+            yield name
     finally:
         os.close(fd)
+
+
+def test_hugetlb_pages_count_as_resident(touched_hugepage: str) -> None:
+    name = touched_hugepage
+    (m,) = [m for m in procgroup.shm_mappings("self", usage=True) if m.name.name == name]
+    assert m.usage is not None
+    assert m.usage.rss == 0  # hugetlb pages are not in Rss
+    assert m.usage.resident_bytes == 2 * MiB
+    assert m.usage.kernel_page_size == 2 * MiB
 
 
 def test_missing_and_forbidden_processes_raise_distinct_errors(root: None) -> None:
@@ -351,21 +357,13 @@ def test_resident_bytes_are_the_pages_the_object_holds(memfd: tuple[str, int]) -
         mm[0] = 1  # does not change the object's page count
 
 
-def test_hugetlb_objects_are_resident_in_whole_pages(hugepages_2m: int) -> None:
-    size = 2 * MiB
-    name = f"hostpool.hugeh.{os.getpid()}.0"
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | MFD_HUGETLB | MFD_HUGE_2MB)
-    try:
-        os.ftruncate(fd, size)
-        with mmap.mmap(fd, size) as mm:
-            mm[0] = 1
-            holdings = scan.read_holdings("self", scan.Matcher((name,)))
-            (totals,) = procgroup.holdings_totals(holdings).values()
-            (m,) = [m for m in procgroup.shm_mappings("self", (name,), usage=True)]
-            assert m.usage is not None
-            assert totals.resident_bytes == m.usage.resident_bytes == size
-    finally:
-        os.close(fd)
+def test_hugetlb_objects_are_resident_in_whole_pages(touched_hugepage: str) -> None:
+    name = touched_hugepage
+    holdings = scan.read_holdings("self", scan.Matcher((name,)))
+    (totals,) = procgroup.holdings_totals(holdings).values()
+    (m,) = [m for m in procgroup.shm_mappings("self", (name,), usage=True)]
+    assert m.usage is not None
+    assert totals.resident_bytes == m.usage.resident_bytes == 2 * MiB
 
 
 def test_an_object_is_measured_once_per_scan_whoever_maps_it() -> None:

@@ -14,24 +14,13 @@ def _pointers(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
 
 
-def mha(layout: str, allocator_type: str, label: str) -> Any:
-    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+# the page size, dtype and device of the MHA and MLA device pools
+ON_CPU: dict[str, Any] = {"page_size": PAGE, "dtype": torch.float32, "device": torch.device("cpu")}
 
-    k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM) for _ in range(LAYERS))
-    v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM) for _ in range(LAYERS))
-    info = MHABufferInfo(
-        buffers=KVBuffers(
-            k=k, v=v, k_data_ptrs=_pointers(k), v_data_ptrs=_pointers(v), layout=KVBufferLayout.NHD
-        ),
-        page_size=PAGE,
-        head_num=HEADS,
-        head_dim=HEAD_DIM,
-        v_head_dim=HEAD_DIM,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
-    return MHATokenToKVPoolHost(
+
+def _host(cls: Any, info: Any, layout: str, allocator_type: str, label: str, **extra: Any) -> Any:
+    """A token-to-KV host pool of `cls` over `info`: twice the device pool, unpinned, on CPU."""
+    return cls(
         info,
         2.0,
         0,
@@ -44,7 +33,26 @@ def mha(layout: str, allocator_type: str, label: str) -> Any:
         start_layer=0,
         end_layer=LAYERS,
         pool_label=label,
+        **extra,
     )
+
+
+def mha(layout: str, allocator_type: str, label: str) -> Any:
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM) for _ in range(LAYERS))
+    v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM) for _ in range(LAYERS))
+    info = MHABufferInfo(
+        buffers=KVBuffers(
+            k=k, v=v, k_data_ptrs=_pointers(k), v_data_ptrs=_pointers(v), layout=KVBufferLayout.NHD
+        ),
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM,
+        **ON_CPU,
+    )
+    return _host(MHATokenToKVPoolHost, info, layout, allocator_type, label)
 
 
 def buffers(pool: Any) -> list[torch.Tensor]:
@@ -88,28 +96,12 @@ def mla(layout: str, allocator_type: str, label: str, *, split: bool = False) ->
         data_ptrs=pointers,
         layer_indices=tuple(range(LAYERS)),
         device_layer_num=LAYERS,
-        page_size=PAGE,
         kv_lora_rank=MLA_LORA,
         qk_rope_head_dim=MLA_ROPE,
         kv_cache_dim=width,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
+        **ON_CPU,
     )
-    return MLATokenToKVPoolHost(
-        info,
-        2.0,
-        0,
-        PAGE,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        allocator_type=allocator_type,
-        device_capacity_tokens=DEVICE_TOKENS,
-        start_layer=0,
-        end_layer=LAYERS,
-        target_layer_num=LAYERS,
-        pool_label=label,
-    )
+    return _host(MLATokenToKVPoolHost, info, layout, allocator_type, label, target_layer_num=LAYERS)
 
 
 def mamba(allocator_type: str) -> Any:

@@ -36,28 +36,25 @@ def _releases(pool: str) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("allocator_type", ["default", "shm"])
-def test_a_pool_dropped_without_destroy_is_the_leak_signal(
-    sglang_installed: None, no_leaked_fds: None, allocator_type: str
+@pytest.mark.parametrize(
+    ("ending", "how"),
+    [("dropped", "finalizer"), ("destroyed", "explicit")],
+    ids=["dropped_without_destroy_is_the_leak_signal", "destroy_is_explicit"],
+)
+def test_how_a_pool_ended_is_counted(
+    sglang_installed: None, no_leaked_fds: None, allocator_type: str, ending: str, how: str
 ) -> None:
-    label = f"dropped_{allocator_type}"
+    """A pool dropped without `destroy()` is released by its finalizer (the leak signal);
+    one destroyed first is released explicitly."""
+    label = f"{ending}_{allocator_type}"
     pool = pools.mha("layer_first", allocator_type, label)
     assert [r.pool for r in get_ledger().snapshot([label])] == [label]
+    if ending == "destroyed":
+        pool.destroy()
     del pool
     gc.collect()
     assert get_ledger().snapshot([label]) == []
-    assert _releases(label) == {"finalizer": 1}
-
-
-@pytest.mark.parametrize("allocator_type", ["default", "shm"])
-def test_destroy_is_explicit(
-    sglang_installed: None, no_leaked_fds: None, allocator_type: str
-) -> None:
-    label = f"destroyed_{allocator_type}"
-    pool = pools.mha("layer_first", allocator_type, label)
-    pool.destroy()
-    del pool
-    gc.collect()
-    assert _releases(label) == {"explicit": 1}
+    assert _releases(label) == {how: 1}
 
 
 def test_sglang_alloc_shm_and_alloc_mmap_used_by_contract_are_never_the_leak_signal(
