@@ -1,6 +1,6 @@
 """setuptools' internal as `build_support/editable_pth.py` relies on it (the one place
 that pins it): an editable wheel built by the installed setuptools carries the `.pth`
-hook at its root, through `editable_wheel._select_strategy`."""
+hook at its root, through `editable_wheel._select_strategy`; so does the regular wheel."""
 
 from __future__ import annotations
 
@@ -25,16 +25,39 @@ def test_the_installed_setuptools_is_one_it_was_read_from() -> None:
     assert not editable_pth.in_range("67.8.0") and not editable_pth.in_range("85.0.0")
 
 
-@pytest.mark.slow
-def test_an_editable_wheel_carries_the_hook(tmp_path: Path) -> None:
-    # What `pip install -e .` asks setuptools for (PEP 660), from a copy of the sources.
+def _sources(tmp_path: Path, *ignore: str) -> Path:
+    """A copy of what a build reads, in `tmp_path`/src (setuptools writes build/ and
+    egg-info next to the sources); `ignore`: patterns left out of the package trees."""
     source = tmp_path / "src"
     source.mkdir()
     for name in ("pyproject.toml", "setup.py", PTH, "README.md"):
         shutil.copy(ROOT / name, source / name)
     for tree in ("hostpool", "build_support"):
-        shutil.copytree(ROOT / tree, source / tree,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.so"))  # fmt: skip
+        shutil.copytree(ROOT / tree, source / tree, ignore=shutil.ignore_patterns(*ignore))
+    return source
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_hook_at_its_root(tmp_path: Path) -> None:
+    source = _sources(tmp_path, "__pycache__")
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path), str(source)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (wheel,) = tmp_path.glob("hostpool-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        assert PTH in names  # the root of the wheel: site-packages once installed
+        assert zf.read(PTH) == (ROOT / PTH).read_bytes()
+        assert "hostpool/integrations/sglang/__init__.py" in names
+
+
+@pytest.mark.slow
+def test_an_editable_wheel_carries_the_hook(tmp_path: Path) -> None:
+    # What `pip install -e .` asks setuptools for (PEP 660), from a copy of the sources.
+    source = _sources(tmp_path, "__pycache__", "*.so")
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     code = f"from setuptools import build_meta; print(build_meta.build_editable({str(out_dir)!r}))"
