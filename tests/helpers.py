@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
 
 
@@ -440,9 +442,12 @@ def hostpool(
     )
 
 
-def start_hostpool(log: str, *args: str, url: str) -> tuple[subprocess.Popen[str], str]:
-    """`hostpool ARGS` from the repository root, its stderr into `log`, once it logged the
-    URL of its /metrics: the process and the first group of the pattern `url` in the log."""
+def start_hostpool(
+    log: str, *args: str, url: str, until: str = '/metrics"'
+) -> tuple[subprocess.Popen[str], str]:
+    """`hostpool ARGS` from the repository root, its stderr into `log`, once its log has
+    `until` (by default the URL of its /metrics): the process and the first group of the
+    pattern `url` in the log."""
     import re
 
     from tests import waiting
@@ -455,7 +460,7 @@ def start_hostpool(log: str, *args: str, url: str) -> tuple[subprocess.Popen[str
         text=True,
     )
     try:
-        text = waiting.wait_for_log(log, '/metrics"', alive=proc)
+        text = waiting.wait_for_log(log, until, alive=proc)
     except AssertionError:
         proc.kill()
         proc.wait()
@@ -465,10 +470,10 @@ def start_hostpool(log: str, *args: str, url: str) -> tuple[subprocess.Popen[str
     return proc, match.group(1)
 
 
-@contextlib.contextmanager
-def exporters() -> Iterator[Callable[..., str]]:
+@pytest.fixture
+def start_exporter() -> Iterator[Callable[..., str]]:
     """Starts `hostpool exporter ARGS --port 0` on each call: its /metrics URL (from its
-    log). All stop at the end (SIGTERM is a clean stop)."""
+    log). All stop when the test ends (SIGTERM is a clean stop)."""
     from tests import exporting
 
     servers: list[exporting.Exporter] = []
@@ -477,15 +482,15 @@ def exporters() -> Iterator[Callable[..., str]]:
         servers.append(exporting.start_exporter(*args))
         return servers[-1].url
 
-    try:
-        yield start
-    finally:
-        for server in servers:
-            server.stop()
+    yield start
+    for server in servers:
+        server.stop()
 
 
 @contextlib.contextmanager
-def prometheus(config: Path, directory: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+def prometheus(
+    config: str | os.PathLike[str], directory: Path
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A real Prometheus on a free loopback port with `config`, its data and log in
     `directory`: the process and its base URL. Stopped with SIGTERM at the end."""
     import signal

@@ -21,18 +21,9 @@ import pytest
 
 from hostpool.cli import build_parser
 from hostpool.cli.exitcodes import INVALID, NOT_NOW
+from tests.helpers import hostpool
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def hostpool(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hostpool", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:

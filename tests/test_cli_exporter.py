@@ -18,7 +18,9 @@ import pytest
 
 from tests import exporting, helpers
 from tests.exporting import scrape, value
+from tests.helpers import start_exporter
 
+__all__ = ["start_exporter"]  # the fixture
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -64,20 +66,6 @@ def start_child(tag: str) -> Iterator[Callable[[], subprocess.Popen[str]]]:
     for proc in children:
         proc.kill()
         proc.wait()
-
-
-@pytest.fixture
-def start_exporter() -> Iterator[Callable[..., str]]:
-    """Starts `hostpool exporter ARGS --port 0`; returns its /metrics URL (from its log)."""
-    servers: list[exporting.Exporter] = []
-
-    def start(*args: str) -> str:
-        servers.append(exporting.start_exporter(*args))
-        return servers[-1].url
-
-    yield start
-    for server in servers:
-        server.stop()  # SIGTERM is a clean stop
 
 
 def promtool_check(text: str) -> None:
@@ -231,29 +219,8 @@ NO_PTRACE = ["setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-sys_ptrace"]
 def other_uid_child() -> Iterator[int]:
     """A process of uid 65534 (forked: that uid cannot exec this interpreter), alive
     until the test ends."""
-    ready_r, ready_w = os.pipe()
-    hold_r, hold_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: nothing but syscalls, then wait for the parent to let go
-        try:
-            os.close(ready_r)
-            os.close(hold_w)
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            os.write(ready_w, b"1")
-            os.read(hold_r, 1)
-        finally:
-            os._exit(0)
-    os.close(ready_w)
-    os.close(hold_r)
-    try:
-        assert os.read(ready_r, 1) == b"1"
+    with helpers.held_child(lambda: None, uid=65534) as pid:
         yield pid
-    finally:
-        os.close(hold_w)
-        os.close(ready_r)
-        os.waitpid(pid, 0)
 
 
 def unreadable_event(*args: str) -> dict[str, object]:

@@ -7,7 +7,6 @@ import datetime
 import fcntl
 import json
 import os
-import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +16,6 @@ import torch
 
 from hostpool.core.manager import PoolManager
 from hostpool.serve.debugdoc import POOL_FIGURES, debug_document, iso_utc, seal_names
-from tests import waiting
 from tests.test_serve import start_serve
 
 
@@ -96,12 +94,9 @@ def test_served_document(tmp_path: os.PathLike[str]) -> None:
         status, body = served.get("/debug/pools")
         assert status == 200, body
         doc = json.loads(body)
-        served.proc.send_signal(signal.SIGTERM)
-        assert served.proc.wait(timeout=waiting.DEADLINE) == 0
+        assert served.stop() == 0
     finally:
-        if served.proc.poll() is None:
-            served.proc.kill()
-            served.proc.wait()
+        served.kill()
     assert doc["pid"] == served.proc.pid
     started = _parse_iso(doc["started_at"])
     assert started <= _parse_iso(doc["generated_at"])

@@ -4,20 +4,16 @@ Prometheus's HTTP API."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests import dashboard_lint, exporting, waiting
+from tests import dashboard_lint, exporting, helpers, waiting
+from tests.helpers import prometheus_api
 from tests.test_serve import start_serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,20 +21,6 @@ SCRAPE = 1  # seconds
 pytestmark = pytest.mark.skipif(
     shutil.which("prometheus") is None, reason="prometheus not installed (make test installs it)"
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _api(base: str, path: str, **params: str) -> Any:
-    url = f"{base}/api/v1/{path}?{urllib.parse.urlencode(params)}"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        body = json.loads(r.read())
-    assert body["status"] == "success", body
-    return body["data"]
 
 
 @pytest.fixture(scope="module")
@@ -64,45 +46,36 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]
             f"  - job_name: hostpool-node\n    static_configs:\n"
             f"      - targets: ['{node_target}']\n"
         )
-    port = _free_port()
-    prom = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp / "prometheus.log", "w"),  # noqa: SIM115 (the child owns it)
-    )
-    base = f"http://127.0.0.1:{port}"
     try:
+        with helpers.prometheus(config, tmp) as (prom, base):
 
-        def ready() -> bool:
-            """Enough samples for rate() over 4 scrape intervals, and the demo's provoked
-            fallback and refusal (5 s after start) scraped."""
-            try:
-                samples = _api(base, "query", query="count_over_time(hostpool_build_info[1m])")
-                provoked = [
-                    _api(base, "query", query=q)["result"]
-                    for q in (
-                        'hostpool_allocation_failures_total{pool="demo_refused"}',
-                        "hostpool_hugepage_fallbacks_total",
+            def ready() -> bool:
+                """Enough samples for rate() over 4 scrape intervals, and the demo's
+                provoked fallback and refusal (5 s after start) scraped."""
+                try:
+                    samples = prometheus_api(
+                        base, "query", query="count_over_time(hostpool_build_info[1m])"
                     )
-                ]
-            except (OSError, AssertionError):
-                return False  # not listening yet
-            enough = bool(samples["result"]) and float(samples["result"][0]["value"][1]) >= 5
-            node_seen = _api(base, "query", query="count_over_time(hostpool_host_shmem_bytes[1m])")
-            enough = enough and bool(node_seen["result"])
-            enough = enough and float(node_seen["result"][0]["value"][1]) >= 5
-            return enough and all(provoked)
+                    provoked = [
+                        prometheus_api(base, "query", query=q)["result"]
+                        for q in (
+                            'hostpool_allocation_failures_total{pool="demo_refused"}',
+                            "hostpool_hugepage_fallbacks_total",
+                        )
+                    ]
+                except (OSError, AssertionError):
+                    return False  # not listening yet
+                enough = bool(samples["result"]) and float(samples["result"][0]["value"][1]) >= 5
+                node_seen = prometheus_api(
+                    base, "query", query="count_over_time(hostpool_host_shmem_bytes[1m])"
+                )
+                enough = enough and bool(node_seen["result"])
+                enough = enough and float(node_seen["result"][0]["value"][1]) >= 5
+                return enough and all(provoked)
 
-        waiting.wait_for(ready, "prometheus scraping the demo", alive=prom, interval=0.5)
-        yield base, served.url
+            waiting.wait_for(ready, "prometheus scraping the demo", alive=prom, interval=0.5)
+            yield base, served.url
     finally:
-        prom.send_signal(signal.SIGTERM)
-        prom.wait(timeout=30)
         served.proc.send_signal(signal.SIGTERM)
         assert served.proc.wait(timeout=10) == 0
         node.stop()
@@ -116,7 +89,7 @@ def test_every_dashboard_target_evaluates(stack: tuple[str, str]) -> None:
     assert queries
     empty = []
     for title, expr in queries:
-        data = _api(base, "query", query=expr)  # a bad query fails here with status error
+        data = prometheus_api(base, "query", query=expr)  # a bad query fails here with status error
         if not data["result"] and title not in optional:
             empty.append((title, expr))
     assert empty == []
@@ -136,7 +109,7 @@ def test_the_node_view_panels_have_data(stack: tuple[str, str]) -> None:
     empty = [
         (title, expr)
         for title, expr in queries
-        if title in wanted and not _api(base, "query", query=expr)["result"]
+        if title in wanted and not prometheus_api(base, "query", query=expr)["result"]
     ]
     assert empty == []
 
@@ -157,9 +130,9 @@ def test_every_demo_alert_fires(stack: tuple[str, str]) -> None:
     seen: dict[str, Any] = {}
 
     def all_fired() -> bool:
-        alerts = _api(base, "alerts")["alerts"]
+        alerts = prometheus_api(base, "alerts")["alerts"]
         seen["firing"] = {a["labels"]["alertname"] for a in alerts if a["state"] == "firing"}
-        result = _api(base, "query", query=query)["result"]
+        result = prometheus_api(base, "query", query=query)["result"]
         seen["refused"] = float(result[0]["value"][1]) if result else 0.0
         # Provoked more than once: each round is a rise of its own, seen on any interval.
         return seen["firing"] >= DEMO_ALERTS and seen["refused"] >= 2
@@ -172,7 +145,7 @@ def test_every_demo_alert_fires(stack: tuple[str, str]) -> None:
 
 def test_every_rule_is_healthy(stack: tuple[str, str]) -> None:
     base, _ = stack
-    groups = _api(base, "rules")["groups"]
+    groups = prometheus_api(base, "rules")["groups"]
     rules = [r for g in groups for r in g["rules"]]
     assert len(rules) >= 10
     unhealthy = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,19 +16,10 @@ import pytest
 
 from hostpool.cli import SUBCOMMANDS
 from hostpool.cli.exitcodes import INVALID, NOT_NOW, OK
+from tests.helpers import hostpool
 
 ROOT = Path(__file__).resolve().parents[1]
 HUGE_2M = Path("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages")
-
-
-def hostpool(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hostpool", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ scraped over HTTP, against real objects (a memfd a child holds, an orphaned
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import secrets
 import subprocess
@@ -36,8 +35,10 @@ from hostpool.host.scan import scan_host
 from hostpool.metrics.host import HOST_METRICS, HostCollector
 from tests import dashboard_lint as lint
 from tests import exporting, helpers
+from tests.helpers import start_exporter
 from tests.waiting import wait_for
 
+__all__ = ["start_exporter"]  # the fixture
 MiB = 1 << 20
 LABEL_VALUES = {"engine": set(ENGINES), "kind": set(OBJECT_KINDS), "state": {"held", "orphaned"}}
 
@@ -239,13 +240,6 @@ print("ready", flush=True)
 sys.stdin.readline()
 """
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.shmat.restype = ctypes.c_void_p
-_libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-_libc.shmdt.argtypes = [ctypes.c_void_p]
-_libc.shmctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-IPC_PRIVATE, IPC_CREAT, IPC_RMID = 0, 0o1000, 0
-
 
 @dataclass
 class Objects:
@@ -264,7 +258,6 @@ def objects() -> Iterator[Objects]:
     tag = secrets.token_hex(6)
     holder = helpers.python_child(HOLDER, tag)
     path = f"/dev/shm/vllm_offload_{tag}.mmap"
-    shmid = -1
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
         try:
@@ -273,33 +266,13 @@ def objects() -> Iterator[Objects]:
             os.close(fd)
         aged = 3600.0
         os.utime(path, (time.time() - aged, time.time() - aged))
-        shmid = _libc.shmget(IPC_PRIVATE, MiB, IPC_CREAT | 0o600)
-        assert shmid >= 0, os.strerror(ctypes.get_errno())
-        addr = _libc.shmat(shmid, None, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value)
-        ctypes.memset(addr, 1, 7 * PAGE)
-        assert _libc.shmdt(ctypes.c_void_p(addr)) == 0
-        yield Objects(tag, holder, path, os.stat(path).st_blocks * 512, shmid, aged)
+        with helpers.sysv_segment(MiB, 7 * PAGE) as shmid:
+            yield Objects(tag, holder, path, os.stat(path).st_blocks * 512, shmid, aged)
     finally:
-        if shmid >= 0:
-            _libc.shmctl(shmid, IPC_RMID, None)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         holder.kill()
         holder.wait()
-
-
-@pytest.fixture
-def start_exporter() -> Iterator[Callable[..., str]]:
-    servers: list[exporting.Exporter] = []
-
-    def start(*args: str) -> str:
-        servers.append(exporting.start_exporter(*args))
-        return servers[-1].url
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def scan_series(view: HostView) -> Series:

@@ -8,7 +8,6 @@ with `--dir` on a private namespace's tmpfs."""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import os
@@ -28,6 +27,7 @@ from hostpool.cli import build_parser
 from hostpool.errors import InvalidRequestError
 from hostpool.host import reap, scan, sysv
 from hostpool.host.model import ENGINES, HostObject, HostView
+from tests import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
 DROP_IN = ROOT / "deploy" / "systemd" / "vllm.service.d" / "hostpool-reap.conf"
@@ -327,27 +327,11 @@ def test_memfds_are_never_candidates_nor_reapable() -> None:
         proc.wait()
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.shmat.restype = ctypes.c_void_p
-_libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-_libc.shmdt.argtypes = [ctypes.c_void_p]
-_libc.shmctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-IPC_PRIVATE, IPC_CREAT, IPC_RMID = 0, 0o1000, 0
-
-
 @pytest.fixture
 def segment() -> Iterator[int]:
     """A real SysV segment (1 MiB, touched), no attachment; removed at the end."""
-    shmid = _libc.shmget(IPC_PRIVATE, 1 << 20, IPC_CREAT | 0o600)
-    assert shmid >= 0, os.strerror(ctypes.get_errno())
-    addr = _libc.shmat(shmid, None, 0)
-    assert addr not in (None, ctypes.c_void_p(-1).value)
-    ctypes.memset(addr, 1, 1 << 20)
-    assert _libc.shmdt(ctypes.c_void_p(addr)) == 0
-    try:
+    with helpers.sysv_segment(1 << 20, 1 << 20) as shmid:
         yield shmid
-    finally:
-        _libc.shmctl(shmid, IPC_RMID, None)
 
 
 def _segment_object(view: HostView, shmid: int) -> HostObject:
@@ -376,11 +360,8 @@ def test_sysv_only_with_sysv(segment: int) -> None:
 def test_a_segment_attached_after_the_scan_is_kept(segment: int) -> None:
     view = scan.scan_host()
     obj = _segment_object(view, segment)
-    addr = _libc.shmat(segment, None, 0)
-    try:
+    with helpers.sysv_attached(segment):
         assert [r.outcome for r in reap.reap([obj])] == ["kept_held"]
-    finally:
-        _libc.shmdt(ctypes.c_void_p(addr))
     assert segment in {s.shmid for s in sysv.read_segments()}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -38,34 +39,33 @@ class Served:
         with open(self.stderr_path) as f:
             return f.read()
 
+    def stop(self) -> int:
+        """SIGTERM, as a service manager stops it: its exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=waiting.DEADLINE)
+
+    def kill(self) -> None:
+        """SIGKILL if it still runs (a failed test's cleanup)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
 
 def start_serve(tmp_path: os.PathLike[str], *args: str) -> Served:
+    """`hostpool serve --port 0 ARGS`, once `serving` named the URL: every pool is
+    populated and the listener is up."""
     err = os.path.join(tmp_path, "serve.err")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hostpool", "serve", "--port", "0", *args],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=open(err, "w"),  # noqa: SIM115 (the child owns it)
-        text=True,
+    proc, url = helpers.start_hostpool(
+        err, "serve", "--port", "0", *args, url=r'"url": "(http://[^"]+)/metrics"'
     )
-    try:  # `serving` names the URL once every pool is populated and the listener is up
-        text = waiting.wait_for_log(err, '/metrics"', alive=proc)
-    except AssertionError:
-        proc.kill()
-        proc.wait()
-        raise AssertionError(f"serve did not start: {waiting.log_text(err)}") from None
-    match = re.search(r'"url": "(http://[^"]+)/metrics"', text)
-    assert match is not None, text
-    return Served(proc, match.group(1), err)
+    return Served(proc, url, err)
 
 
 @pytest.fixture
 def served(tmp_path: os.PathLike[str]) -> Iterator[Served]:
     s = start_serve(tmp_path, "--log-level", "debug")  # each release is a debug event
     yield s
-    if s.proc.poll() is None:
-        s.proc.kill()
-        s.proc.wait()
+    s.kill()
 
 
 def test_endpoints_and_clean_sigterm(served: Served) -> None:
@@ -82,8 +82,7 @@ def test_endpoints_and_clean_sigterm(served: Served) -> None:
     assert {r["pool"] for r in doc["regions"]} == {"kv", "swa", "mamba"}
     assert served.get("/healthz") == (200, "ok\n")
     assert served.get("/nope")[0] == 404
-    served.proc.send_signal(signal.SIGTERM)
-    assert served.proc.wait(timeout=waiting.DEADLINE) == 0
+    assert served.stop() == 0
     releases = [
         json.loads(line) for line in served.log().splitlines() if "hostpool.release" in line
     ]
@@ -339,25 +338,27 @@ def test_builtin_allocator_names_match_the_registry() -> None:
     assert set(BUILTIN_ALLOCATORS) <= set(allocator_names())
 
 
-def _share_socket_problem(tmp_path: os.PathLike[str], problem: str) -> tuple[str, str, object]:
-    """A share-socket path with `problem`, what the error names, and what keeps it so."""
-    keep: object = None
+@contextlib.contextmanager
+def _share_socket_problem(tmp_path: os.PathLike[str], problem: str) -> Iterator[tuple[str, str]]:
+    """A share-socket path with `problem` while the block runs, and what the error names."""
     if problem == "in-use":
         path = os.path.join(tmp_path, "live.sock")
-        live = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        live.bind(path)
-        live.listen()
-        return path, "already listening", live
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as live:
+            live.bind(path)
+            live.listen()
+            yield path, "already listening"
+        return
     if problem == "too-long":
-        return os.path.join(tmp_path, "x" * 120 + ".sock"), "at most 107", keep
-    if problem == "proc":
-        return "/proc/hostpool-test/share.sock", "/proc", keep
-    if problem == "proc-dir":
-        return "/proc/share.sock", "procfs", keep
-    path = os.path.join(tmp_path, "file.sock")
-    with open(path, "w") as f:
-        f.write("not a socket")
-    return path, "not a socket", keep
+        yield os.path.join(tmp_path, "x" * 120 + ".sock"), "at most 107"
+    elif problem == "proc":
+        yield "/proc/hostpool-test/share.sock", "/proc"
+    elif problem == "proc-dir":
+        yield "/proc/share.sock", "procfs"
+    else:
+        path = os.path.join(tmp_path, "file.sock")
+        with open(path, "w") as f:
+            f.write("not a socket")
+        yield path, "not a socket"
 
 
 SHARE_SOCKET_PROBLEMS = ["in-use", "too-long", "proc", "proc-dir", "not-a-socket"]
@@ -372,13 +373,9 @@ def _share_socket_status(problem: str) -> int:
 def test_share_socket_problems_fail_check_in_one_line(
     tmp_path: os.PathLike[str], problem: str
 ) -> None:
-    path, names, keep = _share_socket_problem(tmp_path, problem)
-    try:
+    with _share_socket_problem(tmp_path, problem) as (path, names):
         proc = hostpool("serve", "--check", "--port", "0", "--pool", "kv=1MiB",
                         "--share-socket", path)  # fmt: skip
-    finally:
-        if isinstance(keep, socket.socket):
-            keep.close()
     assert proc.returncode == _share_socket_status(problem), proc.stderr
     assert proc.stdout == ""
     assert names in proc.stderr and "share" in proc.stderr, proc.stderr
@@ -389,13 +386,9 @@ def test_share_socket_problems_fail_check_in_one_line(
 def test_share_socket_problems_are_found_before_any_populate(
     tmp_path: os.PathLike[str], problem: str
 ) -> None:
-    path, names, keep = _share_socket_problem(tmp_path, problem)
-    try:
+    with _share_socket_problem(tmp_path, problem) as (path, names):
         proc = hostpool("serve", "--port", "0", "--pool", "kv=1MiB", "--share-socket", path,
                         importtime=True)  # fmt: skip
-    finally:
-        if isinstance(keep, socket.socket):
-            keep.close()
     assert proc.returncode == _share_socket_status(problem), proc.stderr
     said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
     assert len(said) == 1 and names in said[0], said

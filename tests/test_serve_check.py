@@ -14,7 +14,6 @@ import os
 import resource
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,24 +21,11 @@ from pathlib import Path
 import pytest
 
 from hostpool.cli.exitcodes import INVALID, NOT_NOW
-from tests.helpers import memory_cgroup
+from tests import helpers
+from tests.helpers import hostpool, memory_cgroup
 
-ROOT = Path(__file__).resolve().parents[1]
 NOBODY = 65534
 MiB = 1 << 20
-
-
-def hostpool(
-    *args: str, prefix: tuple[str, ...] = (), preexec: Callable[[], None] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*prefix, sys.executable, "-m", "hostpool", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        preexec_fn=preexec,
-    )
 
 
 def one_line(proc: subprocess.CompletedProcess[str]) -> str:
@@ -51,10 +37,8 @@ def one_line(proc: subprocess.CompletedProcess[str]) -> str:
 @pytest.fixture
 def root_dir(root: None) -> Iterator[str]:
     """A directory of root, mode 0755, in a directory every uid can traverse."""
-    top = tempfile.mkdtemp(prefix="hostpool-check-", dir="/tmp")
-    os.chmod(top, 0o755)
-    yield top
-    shutil.rmtree(top, ignore_errors=True)
+    with helpers.public_dir("hostpool-check-") as top:
+        yield top
 
 
 def test_a_share_socket_directory_the_user_cannot_write(root_dir: str) -> None:

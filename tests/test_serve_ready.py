@@ -9,14 +9,13 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests import waiting
-from tests.test_serve import ROOT, Served, hostpool, imported_torch
+from tests import helpers, waiting
+from tests.test_serve import Served, hostpool, imported_torch
 
 BIG = 4 << 30  # one chunk: populate reports each 64 MiB span of it
 
@@ -26,26 +25,18 @@ def start(tmp_path: Path, config: str) -> tuple[Served, str]:
     path = tmp_path / "serve.toml"
     path.write_text(config)
     err = os.fspath(tmp_path / "serve.err")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hostpool", "serve", "--port", "0", "--config", os.fspath(path)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=open(err, "w"),  # noqa: SIM115 (the child owns it)
-        text=True,
-    )
-    text = waiting.wait_for_log(err, '"hostpool.listening"', alive=proc)
-    match = re.search(r'"url": "(http://[^"]+)/"', text)
-    assert match is not None, text
-    return Served(proc, match.group(1), err), match.group(1)
+    proc, url = helpers.start_hostpool(
+        err, "serve", "--port", "0", "--config", os.fspath(path),
+        url=r'"url": "(http://[^"]+)/"', until='"hostpool.listening"',
+    )  # fmt: skip
+    return Served(proc, url, err), url
 
 
 @pytest.fixture
 def big(tmp_path: Path) -> Iterator[Served]:
     served, _ = start(tmp_path, f"[pools.kv]\nsize = {BIG}\nchunk = {BIG}\n")
     yield served
-    if served.proc.poll() is None:
-        served.proc.kill()
-        served.proc.wait()
+    served.kill()
 
 
 def metric(text: str, name: str) -> float:
@@ -90,8 +81,7 @@ def test_probes_answer_while_populating_then_ready(big: Served) -> None:
     assert "hostpool.serving" in big.log()
     status, landing = big.get("/")
     assert status == 200 and all(p in landing for p in ("/metrics", "/readyz", "/healthz"))
-    big.proc.send_signal(signal.SIGTERM)
-    assert big.proc.wait(timeout=waiting.DEADLINE) == 0
+    assert big.stop() == 0
 
 
 def test_sigterm_exits_0_logs_stopped_and_leaves_no_memfd(tmp_path: Path) -> None:
@@ -101,12 +91,9 @@ def test_sigterm_exits_0_logs_stopped_and_leaves_no_memfd(tmp_path: Path) -> Non
         waiting.wait_for(lambda: served.get("/readyz")[0] == 200, "ready", alive=served.proc)
         assert waiting.shm_fd_blocks(served.proc.pid, prefix) == 256 << 20
         assert waiting.shm_holders(prefix) == [served.proc.pid]
-        served.proc.send_signal(signal.SIGTERM)
-        assert served.proc.wait(timeout=waiting.DEADLINE) == 0
+        assert served.stop() == 0
     finally:
-        if served.proc.poll() is None:
-            served.proc.kill()
-            served.proc.wait()
+        served.kill()
     log = [json.loads(x) for x in served.log().splitlines() if x.startswith("{")]
     assert log[-1]["event"] == "hostpool.serve_stopped"
     assert all(e["level"] in ("debug", "info") for e in log), log
@@ -129,9 +116,7 @@ def test_a_failure_after_populate_is_logged_at_error_and_exits_1(tmp_path: Path)
         code = served.proc.wait(timeout=waiting.DEADLINE)
     finally:
         live.close()
-        if served.proc.poll() is None:
-            served.proc.kill()
-            served.proc.wait()
+        served.kill()
     assert code == 1
     log = [json.loads(x) for x in served.log().splitlines() if x.startswith("{")]
     failed = [e for e in log if e["event"] == "hostpool.serve_failed"]

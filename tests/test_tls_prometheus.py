@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import socket
-import subprocess
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -19,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests import tlspki, waiting
+from tests import helpers, tlspki, waiting
+from tests.helpers import prometheus_api
 from tests.test_web_config import MTLS_AUTH, PASSWORD, start, stop, write_config
 
 pytestmark = pytest.mark.skipif(
@@ -27,17 +25,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def targets(base: str) -> list[dict[str, Any]]:
-    with urllib.request.urlopen(f"{base}/api/v1/targets", timeout=10) as r:
-        body = json.loads(r.read())
-    assert body["status"] == "success", body
-    found: list[dict[str, Any]] = body["data"]["activeTargets"]
+    found: list[dict[str, Any]] = prometheus_api(base, "targets")["activeTargets"]
     return found
 
 
@@ -71,49 +60,36 @@ def test_prometheus_scrapes_mutual_tls_with_basic_auth(tmp_path: Path) -> None:
         + job("hostpool", PASSWORD)
         + job("wrong-password", "not it")
     )
-    port = free_port()
-    prom = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "prometheus.log", "w"),  # noqa: SIM115 (the child owns it)
-    )
-    base = f"http://127.0.0.1:{port}"
     try:
+        with helpers.prometheus(config, tmp_path) as (prom, base):
 
-        def scraped() -> dict[str, dict[str, Any]] | None:
-            try:
-                found = {t["labels"]["job"]: t for t in targets(base)}
-            except OSError:
-                return None  # not listening yet
-            # Steady state: a first login that lands in the rest after the other job's
-            # failed bcrypt round is a 503 with Retry-After (net/basicauth), so the good
-            # job may need a second scrape; from then on its success is remembered.
-            done = len(found) == 2 and found.get("hostpool", {}).get("health") == "up"
-            return found if done and found["wrong-password"]["health"] != "unknown" else None
+            def scraped() -> dict[str, dict[str, Any]] | None:
+                try:
+                    found = {t["labels"]["job"]: t for t in targets(base)}
+                except OSError:
+                    return None  # not listening yet
+                # Steady state: a first login that lands in the rest after the other job's
+                # failed bcrypt round is a 503 with Retry-After (net/basicauth), so the good
+                # job may need a second scrape; from then on its success is remembered.
+                done = len(found) == 2 and found.get("hostpool", {}).get("health") == "up"
+                return found if done and found["wrong-password"]["health"] != "unknown" else None
 
-        found = waiting.wait_for(scraped, "the good job up", alive=prom, interval=0.5)
-        good, bad = found["hostpool"], found["wrong-password"]
-        assert (good["health"], good["lastError"], good["scrapeUrl"]) == (
-            "up",
-            "",
-            server.url,
-        )
-        assert bad["health"] == "down"
-        assert "401" in bad["lastError"], bad["lastError"]
-        query = urllib.parse.urlencode({"query": 'up{job="hostpool"}'})
+            found = waiting.wait_for(scraped, "the good job up", alive=prom, interval=0.5)
+            good, bad = found["hostpool"], found["wrong-password"]
+            assert (good["health"], good["lastError"], good["scrapeUrl"]) == (
+                "up",
+                "",
+                server.url,
+            )
+            assert bad["health"] == "down"
+            assert "401" in bad["lastError"], bad["lastError"]
+            query = urllib.parse.urlencode({"query": 'up{job="hostpool"}'})
 
-        def up() -> list[str] | None:
-            with urllib.request.urlopen(f"{base}/api/v1/query?{query}", timeout=10) as r:
-                result = json.loads(r.read())["data"]["result"]
-            return [sample["value"][1] for sample in result] or None
+            def up() -> list[str] | None:
+                with urllib.request.urlopen(f"{base}/api/v1/query?{query}", timeout=10) as r:
+                    result = json.loads(r.read())["data"]["result"]
+                return [sample["value"][1] for sample in result] or None
 
-        assert waiting.wait_for(up, "up{job=hostpool}", alive=prom, interval=0.5) == ["1"]
+            assert waiting.wait_for(up, "up{job=hostpool}", alive=prom, interval=0.5) == ["1"]
     finally:
-        prom.send_signal(signal.SIGTERM)
-        prom.wait(timeout=60)
         stop(server)

@@ -14,7 +14,6 @@ import re
 import socket
 import ssl
 import subprocess
-import sys
 import textwrap
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
@@ -29,9 +28,8 @@ from hostpool.errors import ConfigError
 from hostpool.net import webconfig
 from hostpool.net.basicauth import BasicAuth, credentials_of
 from hostpool.net.listener import Listener, bind
-from tests import tlspki, waiting
+from tests import helpers, tlspki, waiting
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PASSWORD = "s3cret pass:word"  # a colon and a space: only the first colon splits
 # cost 4, bcrypt's least: the tests check behaviour, not bcrypt's cost
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()
@@ -111,22 +109,10 @@ class Server:
 def start(tmp_path: Path, *args: str) -> Server:
     """`hostpool ARGS --port 0`, once it logged the https URL of its /metrics."""
     log = str(tmp_path / f"{args[0]}.err")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hostpool", *args, "--port", "0"],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=open(log, "w"),  # noqa: SIM115 (the child owns it)
-        text=True,
+    proc, url = helpers.start_hostpool(
+        log, *args, "--port", "0", url=r'"url": "(https://127\.0\.0\.1:\d+/metrics)"'
     )
-    try:
-        text = waiting.wait_for_log(log, '/metrics"', alive=proc)
-    except AssertionError:
-        proc.kill()
-        proc.wait()
-        raise AssertionError(f"{args[0]} did not start: {waiting.log_text(log)}") from None
-    match = re.search(r'"url": "(https://127\.0\.0\.1:\d+/metrics)"', text)
-    assert match is not None, text
-    return Server(proc, match.group(1), log)
+    return Server(proc, url, log)
 
 
 def stop(server: Server) -> None:
@@ -300,11 +286,7 @@ def test_exporter_serves_tls_with_basic_auth(served: Server, pki: Path, tmp_path
 @pytest.mark.parametrize("command", ["serve --pool kv=4MiB", "serve --check", "exporter --pid 1"])
 def test_a_wrong_web_config_is_one_line_and_exit_2(tmp_path: Path, command: str) -> None:
     config = write_config(tmp_path, "tls_server_config:\n  cert_file: missing.crt\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "hostpool", *command.split(), "--port", "0",
-         "--web-config-file", config],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    result = helpers.hostpool(*command.split(), "--port", "0", "--web-config-file", config)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
@@ -315,11 +297,8 @@ def test_a_wrong_web_config_is_one_line_and_exit_2(tmp_path: Path, command: str)
 
 def test_serve_check_names_tls_and_auth(pki: Path) -> None:
     config = write_config(pki, MTLS_AUTH, "check.yml")
-    result = subprocess.run(
-        [sys.executable, "-m", "hostpool", "serve", "--pool", "kv=4MiB", "--port", "0",
-         "--check", "--web-config-file", config],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    result = helpers.hostpool("serve", "--pool", "kv=4MiB", "--port", "0", "--check",
+                              "--web-config-file", config)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip().endswith("TLS (RequireAndVerifyClientCert), basic auth (1 user)")
 

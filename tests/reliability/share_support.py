@@ -10,12 +10,8 @@ import contextlib
 import fcntl
 import json
 import os
-import select
-import shutil
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +19,9 @@ from typing import Any
 import pytest
 
 from tests import helpers
+from tests.helpers import Held as Held  # also for the attack tests
 from tests.reliability import results
+from tests.waiting import wait_for
 
 NOBODY = 65534
 
@@ -136,80 +134,14 @@ def fds_of(pool: str) -> list[int]:
 @pytest.fixture
 def public_dir(root: None) -> Iterator[str]:
     """A directory every uid can traverse (pytest's tmp_path is 0700)."""
-    top = tempfile.mkdtemp(prefix="hostpool-share-", dir="/tmp")
-    os.chmod(top, 0o755)
-    yield top
-    shutil.rmtree(top, ignore_errors=True)
+    with helpers.public_dir("hostpool-share-") as top:
+        yield top
 
 
 def record(attack: str, **figures: object) -> None:
     """One attack's figures, into bench/results/share-attacks.json (make soak, or
     HOSTPOOL_RECORD_RESULTS=1)."""
     results.record("share-attacks", "attacks", attack, **figures)
-
-
-class Held:
-    """A forked process (as `uid`, if given) that ran `fn`, reported its JSON-able result
-    through a pipe, and keeps everything it made (fds, mappings, hugepages) until `end()`.
-
-    The result is read with a generous upper bound, never a sleep: the pipe is the event.
-    """
-
-    def __init__(self, fn: Callable[[], object], *, uid: int | None = None) -> None:
-        ready_r, ready_w = os.pipe()
-        stop_r, stop_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child
-            code = 0
-            try:
-                os.close(ready_r)
-                os.close(stop_w)
-                keep = {ready_w, stop_r}
-                for name in os.listdir("/proc/self/fd"):
-                    # A real peer holds none of the parent's fds.
-                    if int(name) > 2 and int(name) not in keep:
-                        with contextlib.suppress(OSError):
-                            os.close(int(name))
-                if "torch" in sys.modules:  # the parent's OpenMP pool does not survive fork
-                    sys.modules["torch"].set_num_threads(1)
-                if uid is not None:
-                    os.setgroups([])
-                    os.setgid(uid)
-                    os.setuid(uid)
-                result = fn()
-                os.write(ready_w, json.dumps({"result": result}).encode() + b"\n")
-                os.read(stop_r, 1)
-            except BaseException as exc:
-                with contextlib.suppress(OSError):
-                    os.write(ready_w, json.dumps({"error": repr(exc)}).encode() + b"\n")
-                code = 1
-            finally:
-                os._exit(code)
-        os.close(ready_w)
-        os.close(stop_r)
-        self.pid, self._stop_w = pid, stop_w
-        chunks: list[bytes] = []
-        deadline = time.monotonic() + 120
-        while not chunks or not chunks[-1].endswith(b"\n"):
-            ready, _, _ = select.select([ready_r], [], [], max(0.0, deadline - time.monotonic()))
-            data = os.read(ready_r, 65536) if ready else b""
-            if not data:
-                break
-            chunks.append(data)
-        os.close(ready_r)
-        report = json.loads(b"".join(chunks) or b'{"error": "no report"}')
-        if "error" in report:
-            self.end()
-            raise AssertionError(f"held process failed: {report['error']}")
-        self.result: Any = report["result"]
-
-    def end(self) -> int:
-        """Let the process exit; its exit code."""
-        if self._stop_w >= 0:
-            os.close(self._stop_w)
-            self._stop_w = -1
-        _, status = os.waitpid(self.pid, 0)
-        return os.waitstatus_to_exitcode(status)
 
 
 def process_fds(pid: int | str = "self") -> dict[int, str]:
@@ -224,6 +156,26 @@ def process_fds(pid: int | str = "self") -> dict[int, str]:
 F_SEAL_FUTURE_WRITE = 0x10
 SEALED = 0x1 | 0x2 | 0x4  # F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW
 MFD_HUGE_2MB = 21 << 26
+
+
+FALLOC_PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+
+def punch_hole(fd: int, length: int) -> str:
+    """fallocate(PUNCH_HOLE) over `fd`, as a server turning on its client does: "punched"
+    or the errno's name."""
+    import ctypes
+    import errno
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.fallocate(fd, FALLOC_PUNCH, ctypes.c_long(0), ctypes.c_long(length)) == 0:
+        return "punched"
+    return errno.errorcode[ctypes.get_errno()]
+
+
+def wait_for_file(path: str) -> None:
+    """Until `path` exists with something in it (a peer's answer)."""
+    wait_for(lambda: os.path.exists(path) and os.path.getsize(path) > 0, f"{path} written")
 
 
 def rogue_memfd(

@@ -10,10 +10,11 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import pytest
 
+from tests import helpers
 from tests.reliability.results import record_procfs_attack as record
 
 GENERIC = "run as the process's user or as root"
@@ -67,34 +68,10 @@ def holder(*wrapper: str, mode: str = "plain") -> Iterator[int]:
         proc.wait()
 
 
-@contextmanager
-def nobody_holder() -> Iterator[int]:
+def nobody_holder() -> AbstractContextManager[int]:
     """A process of uid 65534 holding a hostpool memfd (forked: that uid cannot exec the
     venv's interpreter under /root)."""
-    r, w = os.pipe()
-    hold_r, hold_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(hold_w)
-            os.close(r)
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            os.memfd_create(f"hostpool.acc.{os.getpid()}.0")
-            os.write(w, b"r")
-            os.read(hold_r, 1)
-        finally:
-            os._exit(0)
-    os.close(w)
-    os.close(hold_r)
-    try:
-        assert os.read(r, 1) == b"r"
-        yield pid
-    finally:
-        os.close(hold_w)
-        os.close(r)
-        os.waitpid(pid, 0)
+    return helpers.held_child(lambda: os.memfd_create(f"hostpool.acc.{os.getpid()}.0"), uid=65534)
 
 
 def denied(result: subprocess.CompletedProcess[str], cause: str) -> str:

@@ -4,7 +4,6 @@ instead of spinning, and the server keeps serving the peers it has."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import resource
@@ -13,12 +12,12 @@ import socket
 import statistics
 import struct
 import time
-from dataclasses import dataclass
 
 import torch
 
 from hostpool.errors import ShareError
 from hostpool.share import attach, protocol
+from tests.helpers import Held
 from tests.reliability.share_support import NOBODY, Server, public_dir, record
 from tests.waiting import wait_for
 
@@ -26,62 +25,30 @@ __all__ = ["public_dir"]
 FLOOD = 3000
 
 
-@dataclass
-class Flood:
-    """A process of another uid holding connections to the share socket."""
+def flood(path: str, count: int, *, uid: int) -> Held:
+    """Open `count` connections as `uid` and hold them until `end()`; returns once they are
+    open, with how many the process holds (its `result["held"]`)."""
 
-    pid: int
-    stop_w: int
-    report: dict[str, int]
+    def raise_fd_limit() -> None:  # as root, before the process becomes `uid`
+        limit = count + 1024
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
-    def end(self) -> None:
-        os.close(self.stop_w)
-        os.waitpid(self.pid, 0)
+    held: list[socket.socket] = []  # the child's, alive while it waits to be ended
 
+    def connect() -> dict[str, int]:
+        for _ in range(count):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            # blocking, so a full backlog is waited for (up to 2 s), not EAGAIN at once
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 2, 0))
+            try:
+                s.connect(path)
+            except OSError:
+                s.close()
+                break  # the server stopped accepting: hold what we have
+            held.append(s)
+        return {"held": len(held)}
 
-def flood(path: str, count: int, *, uid: int) -> Flood:
-    """Open `count` connections as `uid` and hold them; returns once they are open, with
-    how many the process holds."""
-    ready_r, ready_w = os.pipe()
-    stop_r, stop_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the attacker
-        code = 0
-        try:
-            os.close(ready_r)
-            os.close(stop_w)
-            limit = count + 1024
-            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            held = []
-            for _ in range(count):
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                # blocking, so a full backlog is waited for (up to 2 s), not EAGAIN at once
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 2, 0))
-                try:
-                    s.connect(path)
-                except OSError:
-                    s.close()
-                    break  # the server stopped accepting: hold what we have
-                held.append(s)
-            report = {"held": len(held)}
-            os.write(ready_w, json.dumps(report).encode() + b"\n")
-            os.read(stop_r, 1)
-        except BaseException as exc:
-            os.write(ready_w, json.dumps({"error": repr(exc)}).encode() + b"\n")
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(ready_w)
-    os.close(stop_r)
-    ready, _, _ = select.select([ready_r], [], [], 120)
-    line = os.read(ready_r, 4096) if ready else b"{}"
-    os.close(ready_r)
-    report = json.loads(line or b"{}")
-    assert "error" not in report, report
-    return Flood(pid, stop_w, report)
+    return Held(connect, uid=uid, prepare=raise_fd_limit)
 
 
 def _timed_attach(path: str) -> float:
@@ -109,7 +76,7 @@ def test_3000_idle_connections_do_not_delay_an_attach(public_dir: str) -> None:
         quiet = [_timed_attach(path) for _ in range(20)]
         attacker = flood(path, FLOOD, uid=NOBODY)
         try:
-            assert attacker.report["held"] == FLOOD
+            assert attacker.result["held"] == FLOOD
             kept = _server_sockets(server.pid)
             loaded = [_timed_attach(path) for _ in range(20)]
         finally:
@@ -122,7 +89,7 @@ def test_3000_idle_connections_do_not_delay_an_attach(public_dir: str) -> None:
         assert server.touch() is not None
         record(
             "idle_flood",
-            connections_held=attacker.report["held"],
+            connections_held=attacker.result["held"],
             server_connections_kept=kept,
             per_uid_cap=cap,
             rlimit_nofile=1024,

@@ -17,8 +17,6 @@ charged.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,32 +25,24 @@ import pytest
 
 from hostpool.errors import ShareError
 from hostpool.share import attach
-from tests.helpers import memory_cgroup
+from tests.helpers import Held, memory_cgroup
 from tests.reliability.share_support import (
     F_SEAL_FUTURE_WRITE,
     NOBODY,
     SEALED,
-    Held,
     RogueServer,
     dir_of,
     public_dir,
+    punch_hole,
     rogue_head,
     rogue_memfd,
+    wait_for_file,
 )
 from tests.waiting import wait_for
 
 __all__ = ["public_dir"]
 MiB = 1 << 20
 SIZE = 64 * MiB
-FALLOC_PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-
-
-def _punch(fd: int, length: int) -> str:
-    """fallocate(PUNCH_HOLE) over `fd`: "punched" or the errno's name."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.fallocate(fd, FALLOC_PUNCH, ctypes.c_long(0), ctypes.c_long(length)) == 0:
-        return "punched"
-    return errno.errorcode[ctypes.get_errno()]
 
 
 @pytest.fixture
@@ -69,7 +59,7 @@ def _serve_and_punch(path: str, seals: int, punched: str, *, readonly: bool = Tr
     def punch(fds: list[int]) -> None:
         assert punched is not None
         wait_for(lambda: os.path.exists(punched + ".go"), "the client's go")
-        Path(punched).write_text(_punch(fds[0], SIZE))
+        Path(punched).write_text(punch_hole(fds[0], SIZE))
 
     return RogueServer(
         path,
@@ -92,7 +82,7 @@ def _client(path: str, punched: str, group: Path, **options: bool) -> dict[str, 
             pages = h.tensors[0][::4096]  # one byte a page: every page touched
             int(pages.sum())
             Path(punched + ".go").write_text("go")
-            wait_for(lambda: os.path.exists(punched) and os.path.getsize(punched) > 0, "punch")
+            wait_for_file(punched)
             before = int(usage.read_text())
             total = int(pages.sum())
             return {"charged": int(usage.read_text()) - before, "sum": total}

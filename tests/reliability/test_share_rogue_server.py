@@ -25,20 +25,20 @@ import pytest
 
 from hostpool.errors import InvalidRequestError, ShareError
 from hostpool.share import attach
-from tests.helpers import memory_cgroup
+from tests.helpers import Held, memory_cgroup
 from tests.reliability.share_support import (
     F_SEAL_FUTURE_WRITE,
     NOBODY,
     SEALED,
-    Held,
     RogueServer,
     dir_of,
     process_fds,
     public_dir,
+    punch_hole,
     rogue_head,
     rogue_memfd,
+    wait_for_file,
 )
-from tests.waiting import wait_for
 
 __all__ = ["public_dir"]
 MiB, GiB = 1 << 20, 1 << 30
@@ -148,7 +148,7 @@ def test_hugetlb_fds_only_from_a_trusted_server_or_sealed_against_punching(
             lambda s=seals: [rogue_memfd(huge, seals=s, hugetlb=True, fill=True)],  # type: ignore[misc]
             uid=NOBODY,
             # ... then tries to punch the hugepage out from under its client
-            after_send=lambda fds, out=punched: Path(out).write_text(_punch(fds[0], huge)),  # type: ignore[misc]
+            after_send=lambda fds, out=punched: Path(out).write_text(punch_hole(fds[0], huge)),  # type: ignore[misc]
         )
         try:
             if expect is None:
@@ -176,21 +176,6 @@ def test_hugetlb_fds_only_from_a_trusted_server_or_sealed_against_punching(
             assert h.tensors[0].numel() == huge
     finally:
         rogue.stop()
-
-
-def _punch(fd: int, length: int) -> str:
-    """fallocate(PUNCH_HOLE) on `fd`: "punched" or the errno's name."""
-    import ctypes
-    import errno
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.fallocate(fd, 0x02 | 0x01, ctypes.c_long(0), ctypes.c_long(length)) == 0:
-        return "punched"
-    return errno.errorcode[ctypes.get_errno()]
-
-
-def wait_for_file(path: str) -> None:
-    wait_for(lambda: os.path.exists(path) and os.path.getsize(path) > 0, f"{path} written")
 
 
 @pytest.mark.usefixtures("untouched")
