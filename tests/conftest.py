@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-import getpass
 import glob
 import os
 import secrets
@@ -17,15 +15,29 @@ from tests import helpers
 # What a run must leave as it found it (compared at session end with session start).
 WATCHED_DIRS = ("/tmp", "/dev/shm")
 HUGEPAGE_COUNTS = "/sys/kernel/mm/hugepages/*/nr_hugepages"
-# pytest's per-user directory and the runtime directories of runs going on beside this
-# one (each run removes its own; pytest's, once empty, by the run that made it).
+# pytest's per-user directory (a run given no --basetemp elsewhere) and the runtime
+# directories of runs going on beside this one (each run removes its own).
 NOT_LEFTOVERS = ("pytest-of-*", "hostpool-test-runtime-*")
 _before = pytest.StashKey[dict[str, set[str]]]()
 _runtime_dir = pytest.StashKey[str]()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's tmp_path factory reads --basetemp
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "hugepages: reserves hugetlb pages (root)")
+    # The vLLM metrics route writes under $XDG_RUNTIME_DIR, else <tmp>/hostpool-vllm-<uid>
+    # (kept for the next server): give this run's processes a runtime directory of its own.
+    runtime = tempfile.mkdtemp(prefix="hostpool-test-runtime-")
+    config.stash[_runtime_dir] = runtime
+    os.environ["XDG_RUNTIME_DIR"] = runtime
+    # torch's inductor (`import vllm` loads it) makes <tmp>/torchinductor_<user> unless
+    # told where (the Makefile names a directory in the checkout).
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(runtime, "torchinductor"))
+    if config.option.basetemp is None:
+        # tmp_path under this run's own directory: with retention "none" pytest locks no
+        # directory of <tmp>/pytest-of-<user>, and a run's clean-up there deletes the
+        # tmp_path of any run going on beside it.
+        config.option.basetemp = os.path.join(runtime, "t")
 
 
 def _state() -> dict[str, set[str]]:
@@ -37,14 +49,6 @@ def _state() -> dict[str, set[str]]:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    # The vLLM metrics route writes under $XDG_RUNTIME_DIR, else <tmp>/hostpool-vllm-<uid>
-    # (kept for the next server): give this run's processes a runtime directory of its own.
-    runtime = tempfile.mkdtemp(prefix="hostpool-test-runtime-")
-    os.environ["XDG_RUNTIME_DIR"] = runtime
-    # torch's inductor (`import vllm` loads it) makes <tmp>/torchinductor_<user> unless
-    # told where (the Makefile names a directory in the checkout).
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(runtime, "torchinductor"))
-    session.config.stash[_runtime_dir] = runtime
     session.config.stash[_before] = _state()
 
 
@@ -60,7 +64,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     before = session.config.stash.get(_before, None)
     if before is None:
         return
-    _remove_pytest_root(before)
     after = _state()
     left = []
     for where, names in after.items():
@@ -89,16 +92,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             reporter.write_line(path)
     if strict:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-def _remove_pytest_root(before: dict[str, set[str]]) -> None:
-    """pytest's per-user directory (<tmp>/pytest-of-<user>) when this run made it and left
-    it empty (retention "none": each run's own directory is already gone)."""
-    name = f"pytest-of-{getpass.getuser()}"
-    if name in before.get(tempfile.gettempdir(), {name}):
-        return
-    with contextlib.suppress(OSError):  # not empty: a run beside this one uses it
-        os.rmdir(os.path.join(tempfile.gettempdir(), name))
 
 
 @pytest.fixture
