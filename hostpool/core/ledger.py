@@ -55,6 +55,16 @@ class Ledger:
 
     def __init__(self) -> None:
         self._lock = ForkSafeLock()
+        self._generation = 0
+        self.track_stacks = tracking_stacks_from_env()
+        # Pools stay known in a forked child: its managers and allocators came with it.
+        self.known_pools: dict[str, None] = {}
+        self._start_empty()
+
+    def _start_empty(self) -> None:
+        """No region, nothing queued, every counter at zero: a new ledger, and a forked
+        child's (which owns none of its parent's regions; the pools it knows are kept)."""
+        self.pid = os.getpid()
         self._entries: dict[int, LedgerEntry] = {}
         # (generation, region id, how, reused fd, still mapped) from the memory layer.
         self._gone: collections.deque[Gone] = collections.deque()
@@ -63,9 +73,6 @@ class Ledger:
         self._to_close: list[LedgerEntry] = []
         self._leaked: list[LedgerEntry] = []
         self._fd_reused_events: list[tuple[str, int, str | None]] = []
-        self._generation = 0
-        self.pid = os.getpid()
-        self.known_pools: dict[str, None] = {}
         self.allocations_total: collections.Counter[tuple[str, str]] = collections.Counter()
         self.releases_total: collections.Counter[tuple[str, ReleaseHow]] = collections.Counter()
         self.failures_total: collections.Counter[tuple[str, FailureReason]] = collections.Counter()
@@ -73,9 +80,9 @@ class Ledger:
         self.fallbacks_total = collections.Counter()
         self.fd_reuse_skips: collections.Counter[str] = collections.Counter()
         self.durations: dict[str, DurationHistogram] = {}
-        self.track_stacks = tracking_stacks_from_env()
         self._finished: list[tuple[ReleaseHow, LedgerEntry]] = []
         self._births: list[LedgerEntry] = []
+        # The finalizers' callable, bound to this generation's queue.
         self._callback: Callable[..., None] | None = None
         # region id -> peers holding it through `share` (set by the share server).
         self._peers: dict[int, int] = {}
@@ -286,22 +293,14 @@ class Ledger:
                 entry = self._entries.get(region_id)
                 if entry is None:
                     continue
-                if reused_fd is not None:
-                    self.fd_reuse_skips[entry.region.facts.pool] += 1
-                    self._fd_reused_events.append(
-                        (entry.region.facts.pool, reused_fd, entry.region.facts.name)
-                    )
+                self._note_fd_reused_locked(entry, reused_fd)
                 if entry.state == "live":
                     self._begin_release_locked(entry, entry.ended_as(cause))
                 continue
             entry = self._entries.pop(region_id, None)
-            if reused_fd is not None and entry is not None:
-                self.fd_reuse_skips[entry.region.facts.pool] += 1
-                self._fd_reused_events.append(
-                    (entry.region.facts.pool, reused_fd, entry.region.facts.name)
-                )
             if entry is None:
                 continue
+            self._note_fd_reused_locked(entry, reused_fd)
             if entry.state == "live":
                 how = entry.ended_as(cause)
                 self._count_end(entry, how)
@@ -312,6 +311,13 @@ class Ledger:
                 self._entries[region_id] = entry
             else:
                 self._owner_bytes[entry.owner] -= entry.region.facts.mapped_bytes
+
+    def _note_fd_reused_locked(self, entry: LedgerEntry, reused_fd: int | None) -> None:
+        """Count (and queue the event of) an fd number left open: it named another file."""
+        if reused_fd is not None:
+            facts = entry.region.facts
+            self.fd_reuse_skips[facts.pool] += 1
+            self._fd_reused_events.append((facts.pool, reused_fd, facts.name))
 
     def set_peers(self, region_id: int, peers: int) -> None:
         """The share server's count of peers holding a region (0 forgets it)."""
@@ -378,21 +384,11 @@ class Ledger:
             )
 
     def _after_fork_in_child(self) -> None:
-        # The child owns none of the parent's regions: it must not release or count
-        # them. (Its lock, a ForkSafeLock, is already a fresh one.)
+        # The child owns none of the parent's regions: it must not release or count them;
+        # the parent's finalizer notices carry the old generation. (Its lock, a
+        # ForkSafeLock, is already a fresh one.)
         self._generation += 1
-        self._gone, self._dropped = collections.deque(), collections.deque()
-        self._to_close, self._leaked, self._fd_reused_events = [], [], []
-        self._finished, self._births, self._callback = [], [], None
-        self._entries, self._peers, self._owner_ends, self.durations = {}, {}, {}, {}
-        self.pid = os.getpid()
-        for counter in (self.live_bytes, self.live_count, self.live_modes, self.live_pinned):
-            counter.clear()
-        for totals in (self.allocations_total, self.releases_total, self.failures_total):
-            totals.clear()
-        self.fallbacks_total.clear()
-        self.fd_reuse_skips.clear()
-        self._owner_bytes.clear()
+        self._start_empty()
 
 
 _ledger = Ledger()
