@@ -11,12 +11,9 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -25,8 +22,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests import dashboard_lint
-from tests.vllm.server import REPO, VllmServer, free_port, offloading_config, running_server
+from tests import dashboard_lint, helpers
+from tests.vllm.server import REPO, VllmServer, offloading_config, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -150,14 +147,6 @@ SCRAPE = 1  # seconds
 JOB = "vllm"
 
 
-def prom_api(base: str, path: str, **params: str) -> Any:
-    url = f"{base}/api/v1/{path}?{urllib.parse.urlencode(params)}"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        body = json.loads(r.read())
-    assert body["status"] == "success", body
-    return body["data"]
-
-
 def wait_for(what: str, check: Any, deadline_s: float = 180) -> Any:
     """Poll `check()` (a Prometheus query, cheap) until truthy; the deadline is an upper
     bound only."""
@@ -175,8 +164,7 @@ def wait_for(what: str, check: Any, deadline_s: float = 180) -> Any:
 def prometheus(server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Prometheus scraping vLLM's own /metrics as job "vllm", with the shipped rules;
     yields its base URL once every rule has been evaluated over 10 scrapes of data."""
-    binary = shutil.which("prometheus")
-    assert binary, "prometheus is not installed (make test installs it)"
+    assert shutil.which("prometheus"), "prometheus is not installed (make test installs it)"
     tmp = tmp_path_factory.mktemp("prometheus")
     for name in ("alerts.yml", "recording.yml"):
         shutil.copy(REPO / "metrics" / name, tmp / name)
@@ -186,23 +174,19 @@ def prometheus(server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> 
         f"scrape_configs:\n  - job_name: {JOB}\n    static_configs:\n"
         f"      - targets: ['127.0.0.1:{server.port}']\n"
     )
-    port = free_port()
-    with (tmp / "prometheus.log").open("w") as log:
-        prom = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={tmp / 'prometheus.yml'}",
-                f"--storage.tsdb.path={tmp / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-        )
-    base = f"http://127.0.0.1:{port}"
+
+    with helpers.prometheus(tmp / "prometheus.yml", tmp) as (_, base):
+        _wait_ready(base, tmp)
+        yield base
+
+
+def _wait_ready(base: str, tmp: Path) -> None:
+    """Until Prometheus has 10 scrapes of the vLLM pool and has evaluated every rule since;
+    its log on stderr if that never comes."""
 
     def query(expr: str) -> list[Any]:
         try:
-            result: list[Any] = prom_api(base, "query", query=expr)["result"]
+            result: list[Any] = helpers.prometheus_api(base, "query", query=expr)["result"]
         except OSError:
             return []  # not listening yet
         return result
@@ -219,20 +203,16 @@ def prometheus(server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> 
         since = time.time()
 
         def evaluated() -> bool:
-            rules = [r for g in prom_api(base, "rules")["groups"] for r in g["rules"]]
+            rules = [r for g in helpers.prometheus_api(base, "rules")["groups"] for r in g["rules"]]
             stamps = [r.get("lastEvaluation", "") for r in rules]
             return bool(rules) and all(
                 s and not s.startswith("0001") and _epoch(s) > since + 1 for s in stamps
             )
 
         wait_for("every rule evaluated", evaluated)
-        yield base
     except BaseException:
         sys.stderr.write((tmp / "prometheus.log").read_text()[-4000:])
         raise
-    finally:
-        prom.send_signal(signal.SIGTERM)
-        prom.wait(timeout=60)
 
 
 def _epoch(stamp: str) -> float:
@@ -252,7 +232,7 @@ def test_every_dashboard_query_with_job_or_pool_returns_the_vllm_pool(prometheus
         if not re.search(r"\$\{?(job|pool)\b", raw) or title in optional:
             continue
         expr = dashboard_lint.substitute(raw, {**dashboard_lint.ALL_VALUES, **values}, "4s")
-        result = prom_api(prometheus, "query", query=expr)["result"]
+        result = helpers.prometheus_api(prometheus, "query", query=expr)["result"]
         checked.append(title)
         if not result:
             empty.append((title, expr))
@@ -271,14 +251,16 @@ def test_every_dashboard_query_with_job_or_pool_returns_the_vllm_pool(prometheus
         selector = dashboard_lint.substitute(
             selector, {**dashboard_lint.ALL_VALUES, **values}, "4s"
         )
-        offered = prom_api(prometheus, f"label/{variable}/values", **{"match[]": selector})
+        offered = helpers.prometheus_api(
+            prometheus, f"label/{variable}/values", **{"match[]": selector}
+        )
         assert expected in offered, (variable, selector, offered)
 
 
 def test_no_alert_on_a_healthy_vllm_run(prometheus: str, server: VllmServer) -> None:
-    alerts = prom_api(prometheus, "alerts")["alerts"]
+    alerts = helpers.prometheus_api(prometheus, "alerts")["alerts"]
     assert [(a["labels"]["alertname"], a["state"]) for a in alerts] == []
-    rules = [r for g in prom_api(prometheus, "rules")["groups"] for r in g["rules"]]
+    rules = [r for g in helpers.prometheus_api(prometheus, "rules")["groups"] for r in g["rules"]]
     assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
 
 
