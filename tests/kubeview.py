@@ -21,10 +21,8 @@ import json
 import mmap
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from typing import Any
 
@@ -131,28 +129,23 @@ def _aggregate(objects: list[dict[str, Any]]) -> dict[str, list[int]]:
 
 
 def _scrape(argv: list[str]) -> dict[str, list[int]]:
-    """Start the exporter as given (on a free port of 127.0.0.1), scrape it once."""
+    """Start the exporter as given (on a free port of 127.0.0.1), scrape it once, as soon as
+    its first log line (`hostpool.exporter_serving`, with the URL) says it serves."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     argv = list(argv)
-    argv[argv.index("--port") + 1] = str(port)
+    argv[argv.index("--port") + 1] = "0"
     argv[argv.index("--host") + 1] = "127.0.0.1"
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
-                    text = r.read().decode()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    proc.kill()
-                    raise RuntimeError(proc.communicate()[1][-2000:]) from None
-                time.sleep(0.1)
+        line = proc.stderr.readline()  # stderr is not a TTY: JSON lines; "" once it exited
+        event = json.loads(line) if line.startswith("{") else {}
+        if event.get("event") != "hostpool.exporter_serving":
+            proc.kill()
+            raise RuntimeError(line + proc.communicate()[1][-2000:])
+        with urllib.request.urlopen(event["url"], timeout=60) as r:
+            text = r.read().decode()
     finally:
         proc.terminate()
         proc.communicate(timeout=30)  # drained: its stop lines must not block it on the pipe
