@@ -63,15 +63,15 @@ def new_region(
     **facts: Any,
 ) -> Region:
     """The Region over `holder` (the object tensors are built over), with a fresh id and
-        its finalizers; the one way regions are made.
+    its finalizers; the one way regions are made.
 
-        `mapping`: the RegionMapping the holder was made from (`from_buffer`), whose end
-        closes `fd` (the region's own, now owned by the Region) and reports the region gone;
-        without one, the holder's end reports it gone. `pinned_chunks`: the ranges registered
-        with CUDA, unregistered when the last view dies (the list is the Region's from now
-        on). `facts`: the `RegionFacts` fields but `id` (pool, kind, backend, bytes, populate...);
-    an unknown one raises TypeError.
-        `on_unmapped` is the ledger's callback (see the module doc), or None.
+    `mapping`: the RegionMapping the holder was made from (`from_buffer`), whose end
+    closes `fd` (the region's own, now owned by the Region) and reports the region gone;
+    without one, the holder's end reports it gone. `pinned_chunks`: the ranges registered
+    with CUDA, unregistered when the last view dies (the list is the Region's from now
+    on). `facts`: the `RegionFacts` fields but `id` (pool, kind, backend, bytes,
+    populate...); an unknown one raises TypeError. `on_unmapped` is the ledger's callback
+    (see the module doc), or None.
     """
     chunks = pinned_chunks if pinned_chunks is not None else []
     fd_box = [fd] if fd is not None else []
