@@ -4,18 +4,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import http.client as http_client
 import json
 import re
 import signal
 import subprocess
 import sys
-import threading
-import urllib.request
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -119,36 +114,6 @@ def test_exporter_logs_its_stop() -> None:
     stopped = [json.loads(x) for x in rest.splitlines() if "exporter_stopped" in x]
     assert stopped and stopped[-1]["signal"] == "SIGTERM"
     assert stopped[-1]["url"] == serving["url"]
-
-
-def test_a_stop_without_drain_does_not_wait_for_a_request_in_flight() -> None:
-    """What kept `exporter --match` from exiting: its stop waited for the scrape in flight
-    (a /proc scan, up to the scrape budget). The exporter stops with drain=False."""
-    from hostpool.net.listener import Listener, bind
-
-    entered, release = threading.Event(), threading.Event()
-
-    def slow(environ: object, start_response: Any) -> list[bytes]:
-        entered.set()
-        release.wait(120)
-        start_response("200 OK", [("Content-Type", "text/plain")])
-        return [b"late\n"]
-
-    http = Listener(bind("127.0.0.1", 0)).serve(slow)
-    client = threading.Thread(target=_get, args=(http.url("/"),), daemon=True)
-    client.start()
-    try:
-        assert entered.wait(60)
-        http.stop(drain=False)
-        assert not release.is_set()  # stop returned while the request still runs
-    finally:
-        release.set()
-        client.join(60)
-
-
-def _get(url: str) -> None:
-    with contextlib.suppress(OSError, http_client.HTTPException):
-        urllib.request.urlopen(url, timeout=60).read()
 
 
 def test_metrics_readme_names_every_exporter_metric() -> None:

@@ -51,6 +51,7 @@ from hostpool.net.wsgi import WSGIApp
 DEFAULT_CONNECTION_LIMIT = 512
 REQUEST_TIMEOUT = 5.0
 IDLE_TIMEOUT = 30.0
+DRAIN_TIMEOUT = 5.0  # how long stop() lets the requests in service finish
 _MAINTENANCE_INTERVAL = 0.25
 _ACCEPT_BURST = 64  # accepts per wake-up: drains a flooded backlog quickly
 _FD_SHORTAGE_PAUSE = 0.1  # seconds without accepting when no connection can be closed
@@ -104,7 +105,44 @@ class _GuardedServer(TcpWSGIServer):
         self._accept_after = 0.0
         self._backoff = Backoff(_FD_SHORTAGE_PAUSE, _FD_SHORTAGE_PAUSE)
         self.stopping = False
+        self._trigger_lock = threading.Lock()
+        self._trigger_closed = False
         super().__init__(app, _sock=sock, bind_socket=False, **kw)
+
+    @property
+    def _wake_pipe(self) -> Any:
+        # waitress's `trigger` (its stubs call it an int): the pipe that wakes the loop
+        return self.trigger
+
+    def pull_trigger(self) -> None:
+        """Wake the event loop (worker threads call this when a response is written),
+        unless the wake-up pipe is closed: waitress would write into its fd number, which
+        may name another file by then."""
+        with self._trigger_lock:
+            if not self._trigger_closed:
+                self._wake_pipe.pull_trigger()
+
+    def wind_down(self, drain_timeout: float | None) -> None:
+        """Stop accepting, let the workers end (each after the request it serves; with
+        `drain_timeout`, the event loop keeps flushing their answers meanwhile, for that
+        long at most), then close the wake-up pipe and every connection. Called on the
+        event loop's thread once it has left its loop."""
+        from waitress import wasyncore
+
+        wasyncore.dispatcher.close(self)  # the listening socket only
+        workers = self.task_dispatcher
+        workers.set_thread_count(0)  # queued requests are dropped, as waitress does
+        if drain_timeout is not None:
+            deadline = time.monotonic() + drain_timeout
+            while time.monotonic() < deadline:
+                with workers.lock:
+                    if not workers.threads:
+                        break
+                wasyncore.loop(timeout=0.05, map=self.socket_map, use_poll=True, count=1)
+        with self._trigger_lock:
+            self._trigger_closed = True
+            self._wake_pipe.close()
+        wasyncore.close_all(self.socket_map)
 
     def readable(self) -> bool:
         now = time.monotonic()
@@ -302,11 +340,8 @@ class Listener:
         def loop() -> None:
             while not server.stopping:
                 wasyncore.loop(timeout=0.5, map=self._map, use_poll=True, count=1)
-            wasyncore.close_all(self._map)
-            if self._drain:
-                server.task_dispatcher.shutdown(timeout=5)
-            else:  # requests in flight end with the process (their sockets are closed)
-                server.task_dispatcher.set_thread_count(0)
+            # without drain, requests in flight end with the process (sockets closed)
+            server.wind_down(DRAIN_TIMEOUT if self._drain else None)
 
         self._thread = threading.Thread(target=loop, name="hostpool-http", daemon=True)
         self._thread.start()
