@@ -128,18 +128,25 @@ def test_a_worker_waking_the_loop_as_it_stops_writes_into_no_reused_fd(
     connection is still open. A stop that closes the pipe between that check and the
     write frees the pipe's fd numbers: the write must not land in whatever file took
     them (here, pipes of ours; in `serve`, any file), nor fail with EBADF."""
-    from waitress import trigger
+    from waitress import task, trigger
 
-    pulling, proceed = threading.Event(), threading.Event()
-    original = trigger.trigger._physical_pull
+    pulling, proceed, workers_stopped = threading.Event(), threading.Event(), threading.Event()
+    original_pull = trigger.trigger._physical_pull
+    original_count = task.ThreadedTaskDispatcher.set_thread_count
 
     def held_pull(self: Any) -> None:
         if threading.current_thread().name.startswith("waitress-") and not pulling.is_set():
             pulling.set()  # a worker, past its connection check
             proceed.wait(waiting.DEADLINE)
-        original(self)
+        original_pull(self)
+
+    def counted(self: Any, count: int) -> None:
+        original_count(self, count)
+        if count == 0:  # the stop has told the workers to end: it closes the pipe next
+            workers_stopped.set()
 
     monkeypatch.setattr(trigger.trigger, "_physical_pull", held_pull)
+    monkeypatch.setattr(task.ThreadedTaskDispatcher, "set_thread_count", counted)
     app = SlowApp()
     before = _pipe_fds()
     http = Listener(bind("127.0.0.1", 0)).serve(app)
@@ -153,9 +160,9 @@ def test_a_worker_waking_the_loop_as_it_stops_writes_into_no_reused_fd(
         app.release.set()
         assert pulling.wait(waiting.DEADLINE)
         stopping.start()
-        # A stop that does not wait for the write closes the pipe at once; one that does
-        # cannot end before the write: give the first kind time to show itself.
-        stopping.join(1.0)
+        # The stop has told the workers to end. A stop that closes the pipe under a
+        # pending write has closed it already; one that waits for the write cannot.
+        assert workers_stopped.wait(waiting.DEADLINE)
         while not wake_pipe <= _pipe_fds() and len(taken) < 64:
             taken.append(os.pipe())  # the freed numbers, as the next open() would take them
         proceed.set()
