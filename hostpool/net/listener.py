@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from waitress import wasyncore
 from waitress.server import TcpWSGIServer
 
 from hostpool.base import events
@@ -127,8 +128,6 @@ class _GuardedServer(TcpWSGIServer):
         `drain_timeout`, the event loop keeps flushing their answers meanwhile, for that
         long at most), then close the wake-up pipe and every connection. Called on the
         event loop's thread once it has left its loop."""
-        from waitress import wasyncore
-
         wasyncore.dispatcher.close(self)  # the listening socket only
         workers = self.task_dispatcher
         workers.set_thread_count(0)  # queued requests are dropped, as waitress does
@@ -309,8 +308,6 @@ class Listener:
         return dict(self.limits.closed)
 
     def serve(self, app: WSGIApp) -> Listener:
-        from waitress import wasyncore
-
         web = self.web_config
         if web is not None and web.users:
             # half the threads at most wait on a bcrypt round: the rest serve the others
