@@ -31,13 +31,14 @@ class SlowApp:
     entered: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
     workers: list[threading.Thread] = field(default_factory=list)
+    body: bytes = b"late\n"
 
     def __call__(self, environ: object, start_response: Any) -> list[bytes]:
         self.workers.append(threading.current_thread())
         self.entered.set()
         self.release.wait(waiting.DEADLINE)
         start_response("200 OK", [("Content-Type", "text/plain")])
-        return [b"late\n"]
+        return [self.body]
 
     def finish(self) -> None:
         """Let the held requests answer, and wait until their worker threads have ended."""
@@ -186,7 +187,7 @@ def test_a_worker_waking_the_loop_as_it_stops_writes_into_no_reused_fd(
 def test_a_drained_stop_delivers_the_answer_in_service(
     waitress_errors: list[logging.LogRecord],
 ) -> None:
-    app = SlowApp()
+    app = SlowApp(body=b"late\n" * (8 << 20))  # beyond what the worker sends itself
     http = Listener(bind("127.0.0.1", 0)).serve(app)
     port = http.address[1]
     client = Client(http.url("/")).start()
@@ -199,7 +200,7 @@ def test_a_drained_stop_delivers_the_answer_in_service(
         stopping.join(waiting.DEADLINE)
         assert not stopping.is_alive()
         client.join()
-        assert client.error is None and client.answer == (200, b"late\n")
+        assert client.error is None and client.answer == (200, app.body)
         assert [r.getMessage() for r in waitress_errors] == []
     finally:
         app.finish()

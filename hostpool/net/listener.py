@@ -125,23 +125,29 @@ class _GuardedServer(TcpWSGIServer):
 
     def wind_down(self, drain_timeout: float | None) -> None:
         """Stop accepting, let the workers end (each after the request it serves; with
-        `drain_timeout`, the event loop keeps flushing their answers meanwhile, for that
-        long at most), then close the wake-up pipe and every connection. Called on the
+        `drain_timeout`, the event loop keeps sending their answers until all are sent,
+        for that long at most), then close the wake-up pipe and every connection. Called on the
         event loop's thread once it has left its loop."""
         wasyncore.dispatcher.close(self)  # the listening socket only
         workers = self.task_dispatcher
         workers.set_thread_count(0)  # queued requests are dropped, as waitress does
         if drain_timeout is not None:
             deadline = time.monotonic() + drain_timeout
-            while time.monotonic() < deadline:
-                with workers.lock:
-                    if not workers.threads:
-                        break
+            while self._answering() and time.monotonic() < deadline:
                 wasyncore.loop(timeout=0.05, map=self.socket_map, use_poll=True, count=1)
         with self._trigger_lock:
             self._trigger_closed = True
             self._wake_pipe.close()
         wasyncore.close_all(self.socket_map)
+
+    def _answering(self) -> bool:
+        """Whether a worker still runs, or an answer is not all sent (a worker that has
+        ended may leave the rest of its answer for the loop to send)."""
+        workers = self.task_dispatcher
+        with workers.lock:
+            if workers.threads:
+                return True
+        return any(c.writable() for c in list(self._channels().values()))
 
     def readable(self) -> bool:
         now = time.monotonic()
