@@ -169,11 +169,19 @@ def run_python(
     )
 
 
-def run_forked(fn: object, *, uid: int | None = None, timeout: float = 60) -> tuple[int, str]:
+def run_forked(
+    fn: object,
+    *,
+    uid: int | None = None,
+    prepare: Callable[[], object] | None = None,
+    timeout: float = 60,
+) -> tuple[int, str]:
     """Run `fn()` in a forked child (as `uid` if given); returns (exit code, what it wrote).
+    `prepare()`, if given, runs in the child before it gives up root.
 
     Forking after imports lets a child drop to an unprivileged uid even where that uid
-    could not exec this interpreter (it lives under /root here).
+    could not exec this interpreter or read its modules (it lives under /root here): what
+    `fn` imports lazily, `prepare` imports first.
     """
     import select
     import time
@@ -184,6 +192,8 @@ def run_forked(fn: object, *, uid: int | None = None, timeout: float = 60) -> tu
         code = 0
         try:
             os.close(r)
+            if prepare is not None:
+                prepare()
             _enter_child({w}, uid)
             out = fn()  # type: ignore[operator]
             os.write(w, str(out).encode())
