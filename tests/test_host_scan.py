@@ -24,8 +24,8 @@ from hostpool.proc.hostread import classify
 from tests import helpers, hostobjects
 
 PAGE = mmap.PAGESIZE
-KEYS = {"kind", "name", "path", "engine", "pool", "size_bytes", "resident_bytes", "holders",
-        "orphan", "age_seconds"}  # fmt: skip
+KEYS = {"kind", "name", "path", "area", "engine", "pool", "size_bytes", "resident_bytes",
+        "holders", "pod_uid", "container_id", "orphan", "age_seconds"}  # fmt: skip
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -46,7 +46,8 @@ def test_every_kind_with_its_holders(root: None) -> None:
             assert {h.pid for h in o.holders} == {pid, child}
             assert all(h.comm == "python" or h.comm.startswith("python") for h in o.holders)
             doc = o.as_json()
-            assert set(doc) == KEYS | ({"shmid"} if o.kind == "sysv" else set())
+            extra = {"sysv": {"shmid"}, "file": {"links"}}.get(o.kind, set())
+            assert set(doc) == KEYS | extra
             assert (doc["path"] is None) == (o.kind != "file")
         sysv = next(o for o in mine if o.kind == "sysv")
         assert sysv.shmid == held.info["shmid"] and sysv.name == "0x00000000"

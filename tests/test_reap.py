@@ -408,9 +408,9 @@ def test_json_output_shape() -> None:
             False, ["vllm"], [shm], False,
         )  # fmt: skip
         [obj] = doc["objects"]
-        assert set(obj) == {"kind", "name", "path", "engine", "pool", "size_bytes",
-                            "resident_bytes", "holders", "orphan", "age_seconds", "outcome",
-                            "detail"}  # fmt: skip
+        assert set(obj) == {"kind", "name", "path", "area", "engine", "pool", "size_bytes",
+                            "resident_bytes", "links", "holders", "pod_uid", "container_id",
+                            "orphan", "age_seconds", "outcome", "detail"}  # fmt: skip
         assert (obj["path"], obj["outcome"], obj["detail"]) == (f"{shm}/{name}", "removed", None)
         assert doc["totals"]["removed"] == 1
         assert doc["totals"]["removed_bytes"] == obj["resident_bytes"] > 0
