@@ -233,3 +233,46 @@ def test_a_stale_password_beside_a_good_one_never_holds_the_good_one_back(
         assert auth.verdict("alice", "stale", client="127.0.0.1") == basicauth.WRONG
     assert auth.verdict("alice", PASSWORD, client="127.0.0.1") == "allow"
     assert auth.bcrypt_rounds == 2
+
+
+class Clock:
+    """Monotonic seconds the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_success_outlives_prometheus_default_interval_while_wrong_passwords_flood() -> None:
+    """Issue 43, point 7: a good scraper every 60 s (Prometheus' default), even one that
+    missed a scrape (120 s), between wrong passwords from other addresses, never needs a
+    round again; a success unused for longer than `ttl` (at least 5 minutes) costs one."""
+    clock = Clock()
+    auth = BasicAuth({"alice": HASH}, ok, clock=clock)
+    assert auth.ttl >= 300
+    assert auth.verdict("alice", PASSWORD, client="10.0.0.9") == "allow"
+    for minute in range(1, 11):
+        assert auth.verdict("alice", f"wrong {minute}", client=f"10.0.1.{minute}") in (
+            basicauth.WRONG,
+            basicauth.BUSY,
+        )
+        clock.now += 60.0 * (1 + minute % 2)
+        rounds = auth.bcrypt_rounds
+        assert auth.verdict("alice", PASSWORD, client="10.0.0.9") == "allow"
+        assert auth.bcrypt_rounds == rounds  # remembered: no round, never BUSY
+    clock.now += auth.ttl + 1  # unused past its ttl: checked again
+    rounds = auth.bcrypt_rounds
+    assert auth.verdict("alice", PASSWORD, client="10.0.0.9") == "allow"
+    assert auth.bcrypt_rounds == rounds + 1
+
+
+def test_a_wrong_password_is_forgotten_after_its_own_ttl() -> None:
+    clock = Clock()
+    auth = BasicAuth({"alice": HASH}, ok, clock=clock, failure_ttl=60.0)
+    assert auth.verdict("alice", "wrong") == basicauth.WRONG
+    clock.now += 59.0
+    assert auth.verdict("alice", "wrong") == basicauth.WRONG and auth.bcrypt_rounds == 1
+    clock.now += 10_000.0  # past the rest after the failed round and the failure's ttl
+    assert auth.verdict("alice", "wrong") == basicauth.WRONG and auth.bcrypt_rounds == 2

@@ -8,9 +8,11 @@ exist. A bcrypt round costs tens to hundreds of milliseconds of CPU on purpose, 
 stream of wrong passwords must not decide how many run:
 
 - verdicts are remembered, keyed by a SHA-256 of (user, password, the user's hash): a
-  success for `ttl` seconds after its last use (a scraper's repeated scrapes cost one
-  round, ever), a failure for `ttl` seconds (a password retried costs nothing); the two
-  are kept apart, so failures never push a success out;
+  success for `ttl` seconds after its last use (300 by default, five times Prometheus'
+  default scrape interval: a scraper's repeated scrapes cost one round, ever, and a
+  flood of wrong passwords that keeps rounds busy never sends a good scraper to the
+  503 queue), a failure for `failure_ttl` seconds (a password retried costs nothing);
+  the two are kept apart, so failures never push a success out;
 - a password over 72 bytes is a 401 without a round (bcrypt reads 72 bytes at most;
   bcrypt 5 refuses longer ones);
 - at most one round runs at a time, and at most `checking` requests (the round and those
@@ -48,7 +50,11 @@ from hostpool.net.guard import Backoff, Throttle
 from hostpool.net.wsgi import WSGIApp
 
 REALM = "hostpool"
-CACHE_TTL = 60.0  # seconds a verdict is remembered (a success: after its last use)
+# seconds a success is remembered after its last use: longer than any usual scrape
+# interval (Prometheus' default is 60 s), so a scraper's success never lapses between
+# two scrapes while wrong passwords keep the bcrypt round busy
+CACHE_TTL = 300.0
+FAILURE_TTL = 60.0  # seconds a wrong password is remembered
 CACHE_SIZE = 256  # successes remembered at most
 FAILURE_CACHE_SIZE = 4096  # failures remembered at most
 BACKOFF_LEAST = 0.5  # seconds an address waits after a wrong password...
@@ -106,7 +112,7 @@ class BasicAuth:
 
     `users` must not be empty (a listener without users has no BasicAuth in front).
     `checking`: requests that may hold a thread for a bcrypt round (running or waiting);
-    the listener gives half its threads."""
+    the listener gives half its threads. `clock`: monotonic seconds (a test's stand-in)."""
 
     def __init__(
         self,
@@ -114,15 +120,19 @@ class BasicAuth:
         app: WSGIApp,
         *,
         ttl: float = CACHE_TTL,
+        failure_ttl: float = FAILURE_TTL,
         cache_size: int = CACHE_SIZE,
         checking: int = 1,
         log_interval: float = LOG_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not users:
             raise ValueError("BasicAuth needs at least one user")
         self.users = dict(users)
         self.app = app
         self.ttl = ttl
+        self.failure_ttl = failure_ttl
+        self._clock = clock
         self.checking = max(1, checking)
         # any user's hash: an unknown name costs the same bcrypt round as a known one
         self._decoy = next(iter(self.users.values()))
@@ -153,27 +163,27 @@ class BasicAuth:
         hashed = self.users.get(user)
         key = hashlib.sha256(b"\0".join((user.encode(), secret, hashed or b""))).digest()
         with self._lock:
-            remembered = self._remembered(key, hashed, client, time.monotonic())
+            remembered = self._remembered(key, hashed, client, self._clock())
             if remembered is not None:
                 return remembered
-            if self.in_check >= self.checking or time.monotonic() < self._rest_until:
+            if self.in_check >= self.checking or self._clock() < self._rest_until:
                 return BUSY
             self.in_check += 1
         try:
             with self._round:
                 with self._lock:  # decided while this one waited for the round?
-                    remembered = self._remembered(key, hashed, client, time.monotonic())
+                    remembered = self._remembered(key, hashed, client, self._clock())
                 if remembered is not None:
                     return remembered
                 if gone():
                     with self._lock:
                         self.gone += 1
                     return GONE
-                if time.monotonic() < self._rest_until:  # a round failed while this waited
+                if self._clock() < self._rest_until:  # a round failed while this waited
                     return BUSY
-                start = time.monotonic()
+                start = self._clock()
                 ok = self._bcrypt(secret, hashed or self._decoy) and hashed is not None
-                now = time.monotonic()
+                now = self._clock()
                 if not ok:  # rest before the next round (held by the round lock)
                     self._rest_until = now + (now - start) * (1 / FAILED_SHARE - 1)
         finally:
@@ -185,7 +195,7 @@ class BasicAuth:
                 self._passed.put(key, now + self.ttl)
                 self._waits.pop(client, None)
                 return ALLOW
-            self._failed.put(key, now + self.ttl)
+            self._failed.put(key, now + self.failure_ttl)
             self._back_off(client, now)
             return WRONG
 
@@ -229,7 +239,7 @@ class BasicAuth:
         with self._lock:
             waiting = self._waits.get(client)
             until = max(self._rest_until, waiting[0] if waiting is not None else 0.0)
-        return max(1, int(until - time.monotonic() + 0.999))
+        return max(1, int(until - self._clock() + 0.999))
 
     def __call__(
         self, environ: dict[str, Any], start_response: Callable[..., Any]
