@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,11 +18,16 @@ import torch
 
 from hostpool import AllocationError, HostPoolManager
 from hostpool.core.budget import BudgetPolicy
-from hostpool.core.hostbudget import HostBudget
+from hostpool.core.hostbudget import HostBudget, check_directory
+from hostpool.errors import ConfigError
+from tests import waiting
+from tests.helpers import public_dir
 
 MiB = 1 << 20
 LIMIT = 256 * MiB
 SHARE = int(LIMIT * 0.4)
+NOBODY = 65534
+AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
 
 # A rank: reserves through a real manager on "go", reports, then holds until killed.
 RANK = textwrap.dedent(
@@ -217,3 +223,32 @@ def test_bad_budgets() -> None:
     blocker = Path("/proc/self/hostbudget-cannot-exist")
     with pytest.raises(ValueError, match="directory"):
         HostBudget(MiB, blocker)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv"
+)
+def test_a_symlink_planted_by_another_uid_to_a_root_directory_is_refused() -> None:
+    """Issue 43, point 7: uid 65534 plants `hostpool-budget` in a sticky public directory
+    (as /dev/shm is) as a symlink to a directory of root's: root's budget refuses it with
+    one clear error and writes nothing there (the old open followed it: root's lock and
+    reservation landed in root's directory, which passes the owner check)."""
+    with public_dir("hostpool-squat-") as top:
+        public = os.path.join(top, "shm")
+        target = os.path.join(top, "roots")
+        os.mkdir(public, 0o1777)
+        os.chmod(public, 0o1777)
+        os.mkdir(target, 0o755)
+        planted = os.path.join(public, "hostpool-budget")
+        subprocess.run(
+            [*AS_NOBODY, "ln", "-s", target, planted], check=True, timeout=waiting.DEADLINE
+        )
+        assert os.lstat(planted).st_uid == NOBODY
+        with pytest.raises(ConfigError) as refused:
+            HostBudget(LIMIT, planted)
+        message = str(refused.value)
+        assert "\n" not in message
+        assert f"{planted} is a symlink (of uid {NOBODY})" in message, message
+        with pytest.raises(ConfigError, match="symlink"):
+            check_directory(planted)  # serve --check says the same
+        assert os.listdir(target) == []  # nothing written through the link

@@ -2,9 +2,11 @@
 
 - A shared directory (the share socket's, the host budget's) must belong to this uid or
   root and must not let others replace what is in it: writable by group or others only
-  with the sticky bit. `open_directory` checks the directory it opened (fstat on the fd),
-  so what was checked is what the caller then uses through that fd: a path swapped for a
-  symlink after the check cannot redirect it.
+  with the sticky bit. `open_directory` opens it without following a symlink (its last
+  component: a symlink another user planted where the directory should be, pointing to
+  a directory of root's, is refused, not followed) and checks the directory it opened
+  (fstat on the fd), so what was checked is what the caller then uses through that fd: a
+  path swapped for a symlink after the check cannot redirect it.
 - A flock in such a directory can be held by a process that never lets go: a stopped
   peer, or another uid where the directory is world-writable and sticky. `flock_within`
   waits with a deadline (polling `LOCK_NB`) and gives up at once when the stop event of
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import fcntl
 import os
 import stat
@@ -59,15 +62,35 @@ def check_directory(st: os.stat_result, path: str, *, what: str, hint: str) -> N
 
 
 def open_directory(path: str, *, what: str, hint: str) -> int:
-    """An fd of the directory at `path` (O_RDONLY|O_DIRECTORY|O_CLOEXEC) once
-    `check_directory` accepts it; the caller closes it. OSError if it cannot be opened."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    """An fd of the directory at `path` (O_RDONLY|O_DIRECTORY|O_NOFOLLOW|O_CLOEXEC) once
+    `check_directory` accepts it; the caller closes it. ConfigError when `path` is a
+    symlink (whoever made it chose where it points); OSError if it cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            _refuse_symlink(path, what=what, hint=hint)
+        raise
     try:
         check_directory(os.fstat(fd), path, what=what, hint=hint)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _refuse_symlink(path: str, *, what: str, hint: str) -> None:
+    """ConfigError when `path` is a symlink now (else nothing: the caller's error stands)."""
+    try:
+        st = os.lstat(path)
+        target = os.readlink(path) if stat.S_ISLNK(st.st_mode) else None
+    except OSError:
+        return
+    if target is not None:
+        raise ConfigError(
+            f"{what} {path} is a symlink (of uid {st.st_uid}) to {target!r}: refused, not "
+            f"followed; {hint}"
+        )
 
 
 def owned_here(st: os.stat_result) -> bool:
