@@ -16,6 +16,7 @@ and prints what each saw of the planted objects.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import mmap
@@ -24,6 +25,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Callable, Iterator
 from typing import Any
 
 HOLDER_UID = 65534
@@ -36,6 +38,64 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.shmat.restype = ctypes.c_void_p
 _libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
 _libc.shmdt.argtypes = [ctypes.c_void_p]
+
+
+def cgroup_root() -> str | None:
+    """A cgroup hierarchy a process may be moved in without limits: cgroup v1's
+    `name=systemd` (no controller), else the cgroup v2 mount; None if neither is mounted."""
+    v2 = None
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f.read().decode(errors="replace").split("\n"):
+            head, _, tail = line.partition(" - ")
+            fields, rest = head.split(" "), tail.split(" ")
+            if len(fields) < 5 or len(rest) < 3:
+                continue
+            if rest[0] == "cgroup" and "name=systemd" in rest[2].split(","):
+                return fields[4]
+            if rest[0] == "cgroup2" and v2 is None:
+                v2 = fields[4]
+    return v2
+
+
+def pod_cgroup_path(pod_uid: str, container_id: str, qos: str = "besteffort") -> str:
+    """Where kubelet's systemd cgroup driver puts a container of containerd (relative)."""
+    slice_ = f"kubepods-{qos}-pod{pod_uid.replace('-', '_')}.slice"
+    return f"kubepods.slice/kubepods-{qos}.slice/{slice_}/cri-containerd-{container_id}.scope"
+
+
+@contextlib.contextmanager
+def pod_cgroup(pod_uid: str, container_id: str) -> Iterator[Callable[[int], None]]:
+    """A container's cgroup as the systemd driver names it, made under `cgroup_root()`;
+    yields `move(pid)`. On leaving: its processes moved back to the root, and the
+    directories made here removed (deepest first; one still used by another test kept)."""
+    root = cgroup_root()
+    if root is None:
+        raise RuntimeError("no cgroup hierarchy is mounted")
+    made = []
+    path = root
+    for part in pod_cgroup_path(pod_uid, container_id).split("/"):
+        path = f"{path}/{part}"
+        try:
+            os.mkdir(path)
+            made.append(path)
+        except FileExistsError:
+            pass
+
+    def move(pid: int) -> None:
+        with open(f"{path}/cgroup.procs", "w") as f:
+            f.write(str(pid))
+
+    try:
+        yield move
+    finally:
+        with open(f"{path}/cgroup.procs") as f:
+            left = f.read().split()
+        for pid in left:
+            with contextlib.suppress(OSError), open(f"{root}/cgroup.procs", "w") as out:
+                out.write(pid)  # ESRCH: gone meanwhile
+        for directory in reversed(made):
+            with contextlib.suppress(OSError):  # EBUSY/ENOTEMPTY: another test's too
+                os.rmdir(directory)
 
 
 def _planted_kind(engine: str, kind: str) -> bool:

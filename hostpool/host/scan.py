@@ -35,6 +35,7 @@ from hostpool.host.mounts import (
     tmpfs_mounts,
     walk,
 )
+from hostpool.host.pods import Pods
 from hostpool.host.sysv import Segment, read_segments
 from hostpool.proc.hostread import (
     HROW_CTIME,
@@ -185,7 +186,8 @@ def scan_host(*, deadline: float | None = None) -> HostView:
     False and held objects of the processes not read may show as orphans."""
     now = time.time()
     every = pids()
-    mounts, fstypes = tmpfs_mounts(mount_namespaces(every))
+    namespaces = mount_namespaces(every)
+    mounts, fstypes = tmpfs_mounts(namespaces)
     internal = internal_devices()
     mount_devices = set(fstypes)
     hugetlb_devices = set(internal.hugetlb) | {d for d, t in fstypes.items() if t == "hugetlbfs"}
@@ -211,6 +213,9 @@ def scan_host(*, deadline: float | None = None) -> HostView:
     objects = _held_objects(scan, now)
     objects += _files(scan, mounts, now)
     objects += _segments(scan, read_segments(), now)
+    pods = Pods()  # pod_uid and container_id where the node says (host/pods)
+    pods.read_mounts(namespaces)
+    objects = [pods.attribute(o) for o in objects]
     objects.sort(key=_order)
     return HostView(
         tuple(objects),
