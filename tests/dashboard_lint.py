@@ -252,7 +252,9 @@ def is_counter_series(name: str, catalogue: Mapping[str, Metric]) -> bool:
 
 
 def allowed_outside_catalogue(name: str) -> bool:
-    return name == "up" or name.startswith(("process_", "node_"))
+    """Prometheus' `up`, the process and node_exporter collectors', kube-state-metrics'
+    `kube_pod_info` (pods' names for the node view): metrics/README.md's "Other metrics"."""
+    return name in ("up", "kube_pod_info") or name.startswith(("process_", "node_"))
 
 
 # ---------------------------------------------------------------- rules

@@ -22,6 +22,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from hostpool.host.model import (
+    AREAS,
     ENGINES,
     OBJECT_KINDS,
     Engine,
@@ -31,6 +32,7 @@ from hostpool.host.model import (
     HostView,
     ObjectKind,
 )
+from hostpool.host.pods import parse_cgroup
 from hostpool.host.scan import scan_host
 from hostpool.metrics.host import HOST_METRICS, HostCollector
 from tests import dashboard_lint as lint
@@ -40,7 +42,21 @@ from tests.waiting import wait_for
 
 __all__ = ["start_exporter"]  # the fixture
 MiB = 1 << 20
-LABEL_VALUES = {"engine": set(ENGINES), "kind": set(OBJECT_KINDS), "state": {"held", "orphaned"}}
+LABEL_VALUES = {
+    "engine": set(ENGINES),
+    "kind": set(OBJECT_KINDS),
+    "state": {"held", "orphaned"},
+    "area": {"", *AREAS},
+}
+POD_A, POD_B = "0b6f1c2e-1111-4222-8333-444455556666", "7d1e2f3a-1111-4222-8333-444455556666"
+
+
+def label_ok(label: str, value: str) -> bool:
+    """A fixed set's value; `pod_uid` "" or a uid as the node's cgroups write it."""
+    if label == "pod_uid":
+        slice_ = f"0::/kubepods.slice/kubepods-pod{value.replace('-', '_')}.slice\n"
+        return value == "" or parse_cgroup(slice_.encode()).pod_uid == value
+    return value in LABEL_VALUES[label]
 
 
 def obj(
@@ -52,8 +68,9 @@ def obj(
     age: float | None = None,
     hugetlb: bool = False,
     name: str = "x",
+    pod: str | None = None,
 ) -> HostObject:
-    holders = (Holder(pid=4242, comm="python3", fds=1, mappings=1),) if held else ()
+    holders = (Holder(pid=4242, comm="python3", fds=1, mappings=1, pod_uid=pod),) if held else ()
     return HostObject(
         kind=kind,
         name=name,
@@ -66,6 +83,8 @@ def obj(
         orphan=not held,
         age_seconds=age,
         hugetlb=hugetlb,
+        area=("hugetlbfs" if hugetlb else "dev_shm") if kind == "file" else None,
+        pod_uid=pod,
     )
 
 
@@ -112,20 +131,20 @@ def collected(v: HostView, **kwargs: float) -> dict[str, dict[tuple[str, ...], f
 def test_sums_by_engine_kind_and_state_hugetlb_apart() -> None:
     got = collected(SEEN)
     assert got["hostpool_host_shm_bytes"] == {
-        ("hostpool", "memfd", "held"): 6 * MiB,
-        ("sglang", "memfd", "held"): 1 * MiB,
-        ("vllm", "file", "held"): 5 * MiB,
-        ("vllm", "file", "orphaned"): 11 * MiB,
-        ("unknown", "sysv", "orphaned"): 1 * MiB,
-        ("unknown", "anon_shared", "held"): 64 * 1024,
+        ("hostpool", "memfd", "held", "", ""): 6 * MiB,
+        ("sglang", "memfd", "held", "", ""): 1 * MiB,
+        ("vllm", "file", "held", "dev_shm", ""): 5 * MiB,
+        ("vllm", "file", "orphaned", "dev_shm", ""): 11 * MiB,
+        ("unknown", "sysv", "orphaned", "", ""): 1 * MiB,
+        ("unknown", "anon_shared", "held", "", ""): 64 * 1024,
     }
     assert got["hostpool_host_shm_objects"] == {
-        ("hostpool", "memfd", "held"): 2,
-        ("sglang", "memfd", "held"): 1,
-        ("vllm", "file", "held"): 1,
-        ("vllm", "file", "orphaned"): 2,
-        ("unknown", "sysv", "orphaned"): 1,
-        ("unknown", "anon_shared", "held"): 1,
+        ("hostpool", "memfd", "held", "", ""): 2,
+        ("sglang", "memfd", "held", "", ""): 1,
+        ("vllm", "file", "held", "dev_shm", ""): 1,
+        ("vllm", "file", "orphaned", "dev_shm", ""): 2,
+        ("unknown", "sysv", "orphaned", "", ""): 1,
+        ("unknown", "anon_shared", "held", "", ""): 1,
     }
     assert got["hostpool_host_hugetlb_bytes"] == {
         ("hostpool", "memfd", "held"): 2 * MiB,
@@ -159,10 +178,36 @@ def test_label_values_come_from_the_fixed_sets_and_never_name_an_object() -> Non
     for name, series in got.items():
         for labels in series:
             for label, value in zip(HOST_METRICS[name][0], labels, strict=True):
-                assert value in LABEL_VALUES[label], (name, label, value)
+                assert label_ok(label, value), (name, label, value)
     assert len(got["hostpool_host_shm_objects"]) == len(ENGINES) * len(OBJECT_KINDS) * 2
     assert sum(got["hostpool_host_shm_objects"].values()) == len(objects)
     assert got["hostpool_host_shmem_unattributed_bytes"] == {(): 0}  # never negative
+
+
+def test_objects_are_summed_per_pod_and_area() -> None:
+    """`pod_uid` and `area` split the object families: one series per pod (and "" for
+    no pod's) that has objects, summing back to the host's; hugetlb has no pod label."""
+    got = collected(
+        view(
+            obj("memfd", "vllm", 4 * MiB, pod=POD_A),
+            obj("memfd", "vllm", 2 * MiB, pod=POD_A),
+            obj("memfd", "vllm", 1 * MiB, pod=POD_B),
+            obj("file", "vllm", 8 * MiB, held=False, age=60.0, pod=POD_A),
+            obj("file", "vllm", 3 * MiB, held=False, age=60.0),
+            replace(obj("file", "unknown", MiB, pod=POD_B), area="kubelet_volume"),
+            obj("memfd", "vllm", 2 * MiB, hugetlb=True, pod=POD_A),
+            shmem=40 * MiB,
+        )
+    )
+    assert got["hostpool_host_shm_bytes"] == {
+        ("vllm", "memfd", "held", "", POD_A): 6 * MiB,
+        ("vllm", "memfd", "held", "", POD_B): 1 * MiB,
+        ("vllm", "file", "orphaned", "dev_shm", ""): 3 * MiB,
+        ("vllm", "file", "orphaned", "dev_shm", POD_A): 8 * MiB,
+        ("unknown", "file", "held", "kubelet_volume", POD_B): 1 * MiB,
+    }
+    assert list(got["hostpool_host_shm_objects"].values()) == [2, 1, 1, 1, 1]
+    assert got["hostpool_host_hugetlb_bytes"] == {("vllm", "memfd", "held"): 2 * MiB}
 
 
 def test_an_empty_host_has_totals_and_no_object_series() -> None:
@@ -284,8 +329,9 @@ def scan_series(view: HostView) -> Series:
         if o.hugetlb:
             out[("hostpool_host_hugetlb_bytes", key)] += o.resident_bytes
         else:
-            out[("hostpool_host_shm_bytes", key)] += o.resident_bytes
-            out[("hostpool_host_shm_objects", key)] += 1
+            placed = (*key, o.area or "", o.pod_uid or "")
+            out[("hostpool_host_shm_bytes", placed)] += o.resident_bytes
+            out[("hostpool_host_shm_objects", placed)] += 1
         if o.orphan and o.age_seconds is not None:
             age = ("hostpool_host_shm_oldest_orphan_age_seconds", (o.engine,))
             out[age] = max(out[age], o.age_seconds)
@@ -301,6 +347,13 @@ def scraped_series(samples: exporting.Samples) -> Series:
             label_map = dict(labels)
             out[(name, tuple(label_map[n] for n in names))] = v
     return out
+
+
+def summed(series: Series, name: str, *engine_kind_state: str) -> float:
+    """A family's series of one engine, kind and state, summed over areas and pods."""
+    return sum(
+        v for (n, labels), v in series.items() if (n, labels[:3]) == (name, engine_kind_state)
+    )
 
 
 def meminfo_shmem() -> int:
@@ -348,12 +401,14 @@ def test_the_node_view_is_the_scan_of_the_real_host(
         raise AssertionError(f"outside the scans: {last.get('outside')}") from None
     got = scraped_series(samples)
     # what this test made is there
-    assert got[("hostpool_host_shm_bytes", ("vllm", "file", "orphaned"))] >= objects.orphan_bytes
+    assert (
+        summed(got, "hostpool_host_shm_bytes", "vllm", "file", "orphaned") >= objects.orphan_bytes
+    )
     assert objects.orphan_bytes >= 2 * MiB + 3 * PAGE
-    assert got[("hostpool_host_shm_objects", ("vllm", "file", "orphaned"))] >= 1
+    assert summed(got, "hostpool_host_shm_objects", "vllm", "file", "orphaned") >= 1
     assert got[("hostpool_host_shm_oldest_orphan_age_seconds", ("vllm",))] >= objects.aged
-    assert got[("hostpool_host_shm_bytes", ("hostpool", "memfd", "held"))] >= 5 * PAGE
-    assert got[("hostpool_host_shm_bytes", ("unknown", "sysv", "orphaned"))] >= 7 * PAGE
+    assert summed(got, "hostpool_host_shm_bytes", "hostpool", "memfd", "held") >= 5 * PAGE
+    assert summed(got, "hostpool_host_shm_bytes", "unknown", "sysv", "orphaned") >= 7 * PAGE
     # the accounting closes within one scrape
     attributed = sum(v for (name, _), v in got.items() if name == "hostpool_host_shm_bytes")
     shmem = exporting.value(samples, "hostpool_host_shmem_bytes")
@@ -364,7 +419,7 @@ def test_the_node_view_is_the_scan_of_the_real_host(
     for (name, labels), _v in samples.items():
         if name.startswith("hostpool_host_"):
             for label, label_value in labels:
-                assert label_value in LABEL_VALUES[label], (name, label, label_value)
+                assert label_ok(label, label_value), (name, label, label_value)
     assert objects.tag not in text and "vllm_offload_" not in text
     assert f'"{objects.holder.pid}"' not in text and "/dev/shm" not in text
 
@@ -378,9 +433,7 @@ def test_node_with_pid_exports_both_views(
     assert exporting.value(samples, "hostpool_exporter_target_up", pid=str(pid)) == 1
     pool = {"prefix": "hostpool.", "pool": f"node{objects.tag}"}
     assert exporting.value(samples, "hostpool_exporter_resident_bytes", **pool) == 5 * PAGE
-    held = exporting.value(
-        samples, "hostpool_host_shm_bytes", engine="hostpool", kind="memfd", state="held"
-    )
+    held = summed(scraped_series(samples), "hostpool_host_shm_bytes", "hostpool", "memfd", "held")
     assert held >= 5 * PAGE
     assert exporting.value(samples, "hostpool_host_shmem_bytes") > 0
     # --match with --node too; only --node adds the host view

@@ -236,7 +236,8 @@ def test_record_names_follow_level_metric_operations(rule: dict[str, Any]) -> No
     # The level lists the labels kept (besides job), the metric part names its source.
     assert metric.startswith(("hostpool_", "process_"))
     kept = set(level.split("_")) - {"instance", "pool"}
-    assert kept <= {"how", "reason", "le", "limit"}
+    # `pod`: the node view's pod (pod_uid, with namespace and pod from kube_pod_info)
+    assert kept <= {"how", "reason", "le", "limit", "pod", "engine", "area", "state"}
 
 
 def test_rule_expressions_use_known_metrics_and_rate_counters() -> None:

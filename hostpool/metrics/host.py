@@ -3,8 +3,8 @@ object on the host, whoever made it, from one `scan_host()` per scrape.
 
 | metric | labels | meaning |
 | --- | --- | --- |
-| `hostpool_host_shm_bytes` | engine, kind, state | resident bytes of the objects (no hugetlb) |
-| `hostpool_host_shm_objects` | engine, kind, state | the objects (no hugetlb), one per inode |
+| `hostpool_host_shm_bytes` | engine, kind, state, area, pod_uid | resident bytes (no hugetlb) |
+| `hostpool_host_shm_objects` | engine, kind, state, area, pod_uid | objects (no hugetlb) |
 | `hostpool_host_hugetlb_bytes` | engine, kind, state | resident bytes of hugetlb objects |
 | `hostpool_host_shmem_bytes` | | /proc/meminfo `Shmem` |
 | `hostpool_host_shmem_unattributed_bytes` | | `Shmem` no object found accounts for |
@@ -14,9 +14,12 @@ object on the host, whoever made it, from one `scan_host()` per scrape.
 | `hostpool_host_unreadable_processes` | | processes this exporter may not read |
 
 Label values come only from the fixed sets of `hostpool.host.model` (`ENGINES`,
-`OBJECT_KINDS`, the two hold states), and a series exists only for a combination that
-has objects now: at most 9 x 4 x 2 series per family, whatever the host holds. Never a
-pid, a path or an object name (any process names its objects as it likes).
+`OBJECT_KINDS`, the two hold states, `AREAS` or "" for objects that have none) and the
+uids of the pods on this node (`pod_uid`, "" for objects of no pod or of pods that
+disagree: `hostpool.host.pods`), and a series exists only for a combination that has
+objects now: bounded by the pods on the node, whatever their processes name. Never a
+pid, a path or an object name (any process names its objects as it likes); pods' names
+come from kube-state-metrics' `kube_pod_info`, joined on `uid` by a recording rule.
 
 Bytes are resident bytes, the pages each object holds, not its size. Hugetlb objects are
 not `Shmem`: they have their own family, so that `sum(hostpool_host_shm_bytes)` is the
@@ -42,25 +45,26 @@ from prometheus_client.registry import Collector
 
 from hostpool.base import events
 from hostpool.errors import ConfigError
-from hostpool.host.model import ENGINES, OBJECT_KINDS, HoldState, HostView
+from hostpool.host.model import AREAS, ENGINES, OBJECT_KINDS, HoldState, HostView
 from hostpool.metrics.flight import SharedFlight
 
 DEFAULT_SCRAPE_BUDGET = 5.0  # seconds; Prometheus' default scrape_timeout is 10 s
 STATES: Final[tuple[HoldState, ...]] = ("held", "orphaned")
 OBJECT_LABELS: Final = ("engine", "kind", "state")
+SHM_LABELS: Final = (*OBJECT_LABELS, "area", "pod_uid")
 
 # name -> (labels, help). The catalogue in metrics/README.md is checked against it.
 HOST_METRICS: Final[dict[str, tuple[tuple[str, ...], str]]] = {
     "hostpool_host_shm_bytes": (
-        OBJECT_LABELS,
+        SHM_LABELS,
         "Resident bytes of the host's shared-memory objects (memfd, tmpfs file, SysV, "
-        "anonymous shared), by engine, kind and state (held or orphaned); hugetlb objects "
-        "are left out (not Shmem).",
+        "anonymous shared), by engine, kind, state (held or orphaned), a file's area and "
+        'the pod (uid; "" where none); hugetlb objects are left out (not Shmem).',
     ),
     "hostpool_host_shm_objects": (
-        OBJECT_LABELS,
-        "The host's shared-memory objects, one per inode, by engine, kind and state; "
-        "hugetlb objects are left out.",
+        SHM_LABELS,
+        "The host's shared-memory objects, one per inode, by engine, kind, state, area "
+        "and pod uid; hugetlb objects are left out.",
     ),
     "hostpool_host_hugetlb_bytes": (
         OBJECT_LABELS,
@@ -98,31 +102,39 @@ Scan = Callable[..., HostView]  # scan_host's shape: (*, deadline: float | None)
 
 def view_samples(view: HostView) -> Samples:
     """The object and total families' samples of one view, {name: {label values: value}},
-    in the fixed sets' order; only combinations that have objects."""
-    shm: defaultdict[tuple[str, str, str], int] = defaultdict(int)
-    count: defaultdict[tuple[str, str, str], int] = defaultdict(int)
-    huge: defaultdict[tuple[str, str, str], int] = defaultdict(int)
+    in the fixed sets' order (pods by uid); only combinations that have objects."""
+    shm: defaultdict[tuple[str, ...], int] = defaultdict(int)
+    count: defaultdict[tuple[str, ...], int] = defaultdict(int)
+    huge: defaultdict[tuple[str, ...], int] = defaultdict(int)
     oldest: dict[str, float] = {}
     for obj in view.objects:
-        key = (obj.engine, obj.kind, obj.state)
         if obj.hugetlb:
-            huge[key] += obj.resident_bytes
+            huge[(obj.engine, obj.kind, obj.state)] += obj.resident_bytes
         else:
+            key = (obj.engine, obj.kind, obj.state, obj.area or "", obj.pod_uid or "")
             shm[key] += obj.resident_bytes
             count[key] += 1
         if obj.orphan and obj.age_seconds is not None:
             oldest[obj.engine] = max(oldest.get(obj.engine, 0.0), obj.age_seconds)
-    keys = [(e, k, s) for e in ENGINES for k in OBJECT_KINDS for s in STATES]
     return {
-        "hostpool_host_shm_bytes": {key: float(shm[key]) for key in keys if key in count},
-        "hostpool_host_shm_objects": {key: float(count[key]) for key in keys if key in count},
-        "hostpool_host_hugetlb_bytes": {key: float(huge[key]) for key in keys if key in huge},
+        "hostpool_host_shm_bytes": {key: float(shm[key]) for key in sorted(count, key=_rank)},
+        "hostpool_host_shm_objects": {key: float(count[key]) for key in sorted(count, key=_rank)},
+        "hostpool_host_hugetlb_bytes": {key: float(huge[key]) for key in sorted(huge, key=_rank)},
         "hostpool_host_shmem_bytes": {(): float(view.totals.shmem_bytes)},
         "hostpool_host_shmem_unattributed_bytes": {(): float(view.totals.unattributed_bytes)},
         "hostpool_host_shm_oldest_orphan_age_seconds": {
             (engine,): oldest[engine] for engine in ENGINES if engine in oldest
         },
     }
+
+
+_ORDERS: Final = tuple({v: i for i, v in enumerate(values)} for values in
+                       (ENGINES, OBJECT_KINDS, STATES, ("", *AREAS)))  # fmt: skip
+
+
+def _rank(key: tuple[str, ...]) -> tuple[object, ...]:
+    """A series' place: the fixed sets' order, then the pod's uid."""
+    return (*(order[v] for order, v in zip(_ORDERS, key, strict=False)), *key[len(_ORDERS) :])
 
 
 class HostCollector(Collector):
