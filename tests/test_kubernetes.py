@@ -360,7 +360,12 @@ def test_vllm_examples_start_clean_and_hold_what_doctor_sizes(
         (engine,) = pod["containers"]
         command = engine["command"]
         assert command[:4] == ["hostpool", "run", "--reap", "--"] and command[4] == "vllm"
-        assert {"name": "HOSTPOOL_INSTRUMENT", "value": "vllm"} in engine["env"]
+        # hostpool's offloading spec: its series on vLLM's /metrics, which the engine
+        # PodMonitor scrapes (tests/vllm/test_example_server.py runs this command line)
+        transfer = json.loads(command[command.index("--kv-transfer-config") + 1])
+        extra = transfer["kv_connector_extra_config"]
+        assert extra["spec_module_path"] == "hostpool.integrations.vllm"
+        assert extra["spec_name"] == "HostpoolOffloadingSpec"
         (volume,) = pod["volumes"]
         assert volume["emptyDir"]["medium"] == "Memory"
         assert {"name": volume["name"], "mountPath": "/dev/shm"} in engine["volumeMounts"]

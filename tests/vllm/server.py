@@ -19,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -301,18 +301,21 @@ def running_server(
     workdir: Path,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    command: Callable[[Path, int], Sequence[str]] | None = None,
 ) -> Iterator[VllmServer]:
     """Start the real OpenAI server in `workdir` (model, log), wait until it is ready,
     yield it, and stop it (SIGTERM) unless the test stopped it already.
 
-    The log is `workdir/server.log`; it is printed to stderr when startup fails or the
-    body raises."""
+    `command(model_dir, port)`, when given, is the command line instead of
+    `server_command`'s (its process must become the server: exec, not fork). The log is
+    `workdir/server.log`; it is printed to stderr when startup fails or the body raises."""
     model_dir = write_tiny_model(workdir / "model")
     port = free_port()
     log_path = workdir / "server.log"
+    argv = command(model_dir, port) if command else server_command(model_dir, port, extra_args)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            server_command(model_dir, port, extra_args),
+            list(argv),
             env=base_env(env),
             cwd=str(workdir),
             stdout=log,
