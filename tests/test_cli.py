@@ -3,6 +3,7 @@ subcommand."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -146,3 +147,58 @@ def test_a_reader_that_stops_early_gets_no_traceback() -> None:
         os.close(write_end)
     assert done.returncode == 1
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+# ---------------------------------------------------------------- a command line read one way
+
+
+def _all_parsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {"hostpool": parser, **{f"hostpool {n}": p for n, p in sub.choices.items()}}
+
+
+def test_no_parser_takes_an_abbreviated_long_option() -> None:
+    parsers = _all_parsers()
+    assert set(parsers) == {"hostpool", *(f"hostpool {n}" for n in SUBCOMMANDS)}
+    assert [name for name, p in parsers.items() if p.allow_abbrev] == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["reap", "--y"], "hostpool reap: unknown option --y (did you mean --yes?)"),
+        (["reap", "--yess"], "hostpool reap: unknown option --yess (did you mean --yes?)"),
+        (["shm", "--jsn"], "hostpool shm: unknown option --jsn (did you mean --json?)"),
+        (["doctor", "--kubernetes", "--container", "x", "--engine-mem=4GiB", "--", "vllm"],
+         "hostpool doctor: unknown option --engine-mem (did you mean --engine-memory?)"),
+        (["shm", "--zzzzzz"], "hostpool shm: unknown option --zzzzzz (see hostpool shm --help)"),
+    ],
+)  # fmt: skip
+def test_an_unknown_option_names_its_subcommand_and_the_closest_flag(
+    argv: list[str], line: str
+) -> None:
+    """`reap --y` once meant `reap --yes` (argparse's prefix matching): a dry run's
+    abbreviation removed files. Refused now, one line, exit 2, before anything runs."""
+    out = hostpool(*argv)
+    assert (out.returncode, out.stdout, out.stderr) == (2, "", line + "\n")
+
+
+EXIT_CAUSES = {
+    "serve": "port in use",
+    "inspect": "no such process",
+    "exporter": "--pid process may not be read",
+    "doctor": "a size without a unit",
+    "run": "CMD's own",
+    "shm": "the scan could not run here",
+    "reap": "a candidate could not be removed",
+}
+
+
+@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+def test_each_help_ends_with_its_own_exit_statuses(command: str) -> None:
+    epilog = " ".join(hostpool(command, "--help").stdout.rstrip().rsplit("\n\n", 1)[1].split())
+    assert epilog.startswith("exit status: 0 ok")
+    assert EXIT_CAUSES[command] in epilog
+    others = [c for name, c in EXIT_CAUSES.items() if name != command]
+    assert [c for c in others if c in epilog] == []

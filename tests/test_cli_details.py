@@ -150,6 +150,6 @@ def test_doctor_hugepages_required_says_when_it_passes_or_why_not() -> None:
     proc = hostpool("doctor", "--hugepages", "required")
     last = proc.stdout.rstrip().splitlines()[-1]
     if proc.returncode == 0:
-        assert last.startswith("OK: 2MB hugepages")
+        assert last.startswith("OK: 2MiB hugepages")
     else:
         assert last.startswith("PROBLEM:")

@@ -25,13 +25,16 @@ SPEC = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                                       "cpu_bytes_to_use": 8 * GIB}}  # fmt: skip
 
 
-def doctor(*args: str, memlock: int | None = None) -> subprocess.CompletedProcess[str]:
+def doctor(
+    *args: str, memlock: int | None = None, container: str | None = "engine"
+) -> subprocess.CompletedProcess[str]:
     def limit() -> None:
         if memlock is not None:
             resource.setrlimit(resource.RLIMIT_MEMLOCK, (memlock, memlock))
 
+    named = ["--container", container] if container else []
     return subprocess.run(
-        [sys.executable, "-m", "hostpool", "doctor", "--kubernetes", *args],
+        [sys.executable, "-m", "hostpool", "doctor", "--kubernetes", *named, *args],
         cwd=ROOT, capture_output=True, text=True, timeout=60, preexec_fn=limit,
     )  # fmt: skip
 
@@ -57,8 +60,8 @@ def checks(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def test_vllm_native_offload_is_a_dev_shm_file_counted_in_memory() -> None:
-    code, report = as_json("--engine-memory", "10GiB", "--shm-extra", "1GiB", "--", *VLLM,
-                           "--kv-offloading-size", "4")  # fmt: skip
+    code, report = as_json("--check-host", "--engine-memory", "10GiB", "--shm-extra", "1GiB",
+                           "--", *VLLM, "--kv-offloading-size", "4")  # fmt: skip
     (pool,) = report["pools"]
     assert pool["backing"] == "devshm" and pool["size_bytes"] == 4 * GIB
     assert pool["mappings"] == 2  # one per tensor-parallel rank
@@ -75,7 +78,7 @@ def test_hostpool_spec_with_required_hugepages_asks_for_pages_not_memory() -> No
     spec = json.loads(json.dumps(SPEC))
     extra = spec["kv_connector_extra_config"]
     extra.update(hostpool_hugepages="required", hostpool_hugepage_size="2MB")
-    _, report = as_json("--engine-memory", "1GiB", "--", *VLLM,
+    _, report = as_json("--check-host", "--engine-memory", "1GiB", "--", *VLLM,
                         "--kv-transfer-config", json.dumps(spec))  # fmt: skip
     (pool,) = report["pools"]
     assert pool["backing"] == "memfd" and pool["hugepages"] == "required"
@@ -94,7 +97,7 @@ def test_serve_config_pools_and_the_checks_that_fail(tmp_path: Path) -> None:
         '[pools.huge]\nsize = "1TiB"\nallocator = "shm"\nhugepages = "required"\n'
         '[pools.staging]\nsize = "64MiB"\nallocator = "mmap"\n'
     )
-    code, report = as_json("--config", str(config), memlock=1 << 20)
+    code, report = as_json("--check-host", "--config", str(config), memlock=1 << 20)
     assert code == 1 and not report["ok"]
     limits, _ = resources(report)
     assert limits == {"memory": "1088Mi", "hugepages-2Mi": "1Ti"}
@@ -105,7 +108,7 @@ def test_serve_config_pools_and_the_checks_that_fail(tmp_path: Path) -> None:
     assert not got["hugepages"]["ok"]  # nobody has 1 TiB of free hugepages here
     # the text form: a patch that is valid YAML (what it was sized from and the
     # verdicts are comments), one verdict line per check
-    text = doctor("--config", str(config), memlock=1 << 20)
+    text = doctor("--check-host", "--config", str(config), memlock=1 << 20)
     assert text.returncode == 1
     patch = yaml.safe_load(text.stdout)
     assert patch == report["patch"]
@@ -163,6 +166,83 @@ def test_without_kubernetes_a_command_line_is_refused() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2 and "--kubernetes" in proc.stderr
+
+
+# ---------------------------------------------------------------- the pod, not this machine
+
+EXAMPLE = ROOT / "deploy" / "kubernetes" / "examples" / "vllm" / "deployment.yaml"
+HUGE = ["--", *VLLM, "--kv-offloading-size", "4096"]  # 4 TiB of /dev/shm file
+
+
+def test_this_machine_is_judged_only_with_check_host() -> None:
+    """A laptop's /dev/shm (or this host's) does not fail a patch for a cluster."""
+    st = os.statvfs("/dev/shm")
+    assert st.f_blocks * st.f_frsize < 4096 * GIB  # this host cannot hold it
+    code, report = as_json(*HUGE)
+    assert (code, report["checks"], report["ok"]) == (0, [], True)
+    limits, dshm = resources(report)
+    assert dshm["sizeLimit"] == "4Ti" and limits["memory"] == "4Ti"
+    code, report = as_json("--check-host", *HUGE)
+    assert code == 1 and not checks(report)["/dev/shm"]["ok"]
+
+
+def test_container_is_required_unless_the_pod_has_one() -> None:
+    proc = doctor(*HUGE, container=None)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert (
+        proc.stderr.strip()
+        == "hostpool doctor: --container NAME is required: the engine's container"
+    )
+    proc = doctor("--pod", str(EXAMPLE), container="engine")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "--container engine: the pod has no such container (vllm)" in proc.stderr
+
+
+def test_the_example_pod_is_judged_with_its_own_command(tmp_path: Path) -> None:
+    """--pod alone: the container (its only one) and the command come from the manifest,
+    and the pod spec as written holds what that command needs."""
+    args = ("--pod", str(EXAMPLE), "--engine-memory", "48GiB", "--shm-extra", "4GiB")
+    code, report = as_json(*args, container=None)
+    assert code == 0, report["checks"]
+    (container,) = report["patch"]["spec"]["template"]["spec"]["containers"]
+    assert container["name"] == "vllm"
+    (pool,) = report["pools"]
+    assert pool["size_bytes"] == 64 * GIB and "HostpoolOffloadingSpec" in pool["source"]
+    judged = {c["check"]: c for c in report["checks"]}
+    assert set(judged) == {"pod memory", "pod requests", "pod /dev/shm"}
+    assert judged["pod memory"]["detail"] == "116GiB needed, limit 116GiB"
+    # the same pod, short of memory and of /dev/shm: exit 1, naming both
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    pod = doc["spec"]["template"]["spec"]
+    pod["containers"][0]["resources"]["limits"]["memory"] = "100Gi"
+    pod["volumes"][0]["emptyDir"]["sizeLimit"] = "1Gi"
+    short = tmp_path / "short.yaml"
+    short.write_text(yaml.safe_dump(doc))
+    proc = doctor("--pod", str(short), *args[2:], container=None)
+    assert proc.returncode == 1, proc.stderr
+    failed = [ln for ln in proc.stdout.splitlines() if ln.startswith("# FAIL")]
+    assert failed == [
+        "# FAIL pod memory       116GiB needed, limit 100GiB",
+        "# FAIL pod requests     differ from limits: memory",
+        "# FAIL pod /dev/shm     4GiB needed, 1GiB",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "offered"),
+    [("--engine-memory", "48", "48GiB"), ("--shm-extra", "4", "4GiB"), ("--need", "64", "64GiB"),
+     ("--hugepage-size", "2", "2MB")],
+)  # fmt: skip
+def test_a_size_without_a_unit_is_refused(flag: str, value: str, offered: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "hostpool", "doctor", "--kubernetes", "--container", "vllm",
+         flag, value, "--", *VLLM, "--kv-offloading-size", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    (line,) = proc.stderr.splitlines()
+    assert f"{flag}: {value} has no unit (did you mean {offered}?)" in line
+    assert doctor(flag, "0" if flag != "--hugepage-size" else "2MB", *HUGE).returncode == 0
 
 
 # ---------------------------------------------------------------- the engines' own flags

@@ -50,6 +50,18 @@ def parse_size(value: object, *, what: str = "size") -> int:
     )
 
 
+def parse_size_with_unit(value: str, *, what: str, unit: str = "GiB") -> int:
+    """`parse_size` for a flag whose figures are never a handful of bytes (a memory
+    limit, a pool, a page size): a number without a unit is refused, but 0, with `unit`
+    offered (`--engine-memory 48`: "did you mean 48GiB?"); InvalidRequestError."""
+    match = _SIZE.fullmatch(value)
+    if match and not match.group(2) and float(match.group(1)) != 0:
+        raise InvalidRequestError(
+            f"{what} {value.strip()} has no unit (did you mean {match.group(1)}{unit}?)"
+        )
+    return parse_size(value, what=what)
+
+
 def format_size(n: int) -> str:
     """Short binary form used in labels and messages: 4KiB, 2MiB, 1GiB, 1.5GiB."""
     for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):

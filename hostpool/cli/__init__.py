@@ -13,14 +13,15 @@ Each subcommand lives in its own module, declared there as `COMMAND` (a
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
 import textwrap
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
-from hostpool.cli.exitcodes import EPILOG, for_error
+from hostpool.cli.exitcodes import EPILOG, EPILOGS, for_error
 from hostpool.cli.logsetup import FORMATS, LEVELS
 from hostpool.errors import HostPoolError
 
@@ -38,10 +39,47 @@ SUBCOMMANDS: dict[str, str] = {
 
 
 class Parser(argparse.ArgumentParser):
-    """Usage errors are one line (and exit 2), not the usage block plus a line."""
+    """Usage errors are one line (and exit 2), not the usage block plus a line. No long
+    option is abbreviated (`--y` is not `--yes`: a flag added later would change what an
+    old command line means); an unknown one is named with its subcommand and the closest
+    valid flag."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras and self.prog == "hostpool":  # the top level: say whose flag it is not
+            chosen = _subparser(self, getattr(parsed, "command", None))
+            (chosen or self).unknown(extras)
+        return parsed, extras
+
+    def unknown(self, extras: list[str]) -> NoReturn:
+        """One line for what this parser does not take: an option, with the closest of
+        its own flags, or else the first stray argument."""
+        option = next((a for a in extras if a.startswith("-") and a != "-"), None)
+        if option is None:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        flag = option.split("=", 1)[0]
+        known = [s for s in self._option_string_actions if s.startswith("--")]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else f"see {self.prog} --help"
+        self.exit(2, f"{self.prog}: unknown option {flag} ({hint})\n")
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str | None) -> Parser | None:
+    """The parser of subcommand `name` under `parser`, if there is one."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            chosen = action.choices[name]
+            return chosen if isinstance(chosen, Parser) else None
+    return None
 
 
 def _version() -> str:
@@ -84,10 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.COMMAND.add_to(sub)
-    for subparser in sub.choices.values():
+    for name, subparser in sub.choices.items():
         _global_flags(subparser, default=False)
         if subparser.epilog is None:  # pre-wrapped: some keep their text as written
-            subparser.epilog = textwrap.fill(EPILOG, 79)
+            subparser.epilog = textwrap.fill(EPILOGS.get(name, EPILOG), 79)
     return parser
 
 

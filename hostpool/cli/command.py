@@ -31,6 +31,7 @@ class Subcommand:
             help=self.help,
             description=self.description,
             epilog=textwrap.fill(self.epilog, 79) if self.epilog else None,
+            allow_abbrev=False,  # `--y` is no `--yes` (hostpool.cli.Parser)
             formatter_class=(
                 argparse.RawDescriptionHelpFormatter
                 if self.raw_description

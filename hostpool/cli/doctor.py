@@ -7,14 +7,27 @@ import json
 import sys
 from typing import Any
 
-from hostpool.base.units import format_size, parse_size
+from hostpool.base.units import format_size, parse_size_with_unit
 from hostpool.cli.command import Subcommand
 from hostpool.cli.exitcodes import INVALID, NOT_NOW, OK
+from hostpool.errors import InvalidRequestError
 
 
-def _size(group: argparse._ActionsContainer, flag: str, default: str, text: str) -> None:
-    """A flag that takes a byte size (parsed where it is used, to name the flag)."""
-    group.add_argument(flag, default=default, metavar="SIZE", help=f"{text} (default {default})")
+def _size(
+    group: argparse._ActionsContainer, flag: str, default: str, text: str, unit: str = "GiB"
+) -> None:
+    """A flag that takes a byte size with its unit (a bare 48 is a usage error, exit 2,
+    offering 48`unit`): none of doctor's sizes is ever a handful of bytes."""
+
+    def size(value: str) -> int:
+        try:
+            return parse_size_with_unit(value, what=flag, unit=unit)
+        except InvalidRequestError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag} ")) from exc
+
+    group.add_argument(
+        flag, type=size, default=default, metavar="SIZE", help=f"{text} (default {default})"
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,20 +41,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "if free, else THP or 4 KiB pages), off, or required (a check: exit 1 when too few "
         "hugepages of --hugepage-size are free)",
     )
-    _size(p, "--hugepage-size", "2MB", "the hugetlb page size to check, e.g. 2MB or 1GB")
+    _size(p, "--hugepage-size", "2MB", "the hugetlb page size to check, e.g. 2MB or 1GB", "MB")
     _size(p, "--need", "0", "bytes a pool needs, e.g. 64GiB")
     k8s = p.add_argument_group(
         "Kubernetes",
         "--kubernetes: the pod resources the pools of --config FILE or of an engine command "
-        "line (after --) need, as a strategic merge patch of a Deployment, and this node's "
-        "limits against them, one verdict per line (exit 1 if one fails)",
+        "line (after --, or the --pod container's) need, as a strategic merge patch of a "
+        "Deployment; with --pod, that pod spec judged against them, and with --check-host "
+        "the limits of the node (or pod) it runs on, one verdict per line (exit 1 if one "
+        "fails). This machine is judged only with --check-host",
     )
     k8s.add_argument("--kubernetes", action="store_true", help="size a pod (see above)")
     k8s.add_argument("--config", metavar="FILE", help="a hostpool serve config's pools")
     memory = "the engine's own memory besides its pools, added to the memory limit"
     _size(k8s, "--engine-memory", "0", memory)
     _size(k8s, "--shm-extra", "0", "room in /dev/shm for the engine's other files (NCCL...)")
-    k8s.add_argument("--container", default="engine", help="the engine container's name")
+    k8s.add_argument(
+        "--container",
+        help="the engine container's name (required unless --pod has only one container)",
+    )
+    k8s.add_argument(
+        "--pod",
+        metavar="FILE",
+        help="a manifest (Deployment, StatefulSet, DaemonSet, Job, Pod): its pod spec is "
+        "judged, and the engine's command line is its container's unless one follows --",
+    )
+    k8s.add_argument(
+        "--check-host",
+        action="store_true",
+        help="also judge the node (or pod) this runs on: /dev/shm, cgroup memory, free "
+        "hugepages, ulimit -l, vm.max_map_count",
+    )
     k8s.add_argument(
         "engine_command",
         nargs=argparse.REMAINDER,
@@ -92,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     if args.config or command:
         print("hostpool doctor: --config and a command line go with --kubernetes", file=sys.stderr)
         return INVALID
-    need = parse_size(args.need, what="--need")
+    need: int = args.need
     report = {"host": facts(), "plan": plan(args.hugepages, args.hugepage_size, need)}
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
@@ -135,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
         lines.append(
             f"OK: {format_size(need)} with hugepages {args.hugepages} fits this host now"
             if need
-            else f"OK: {args.hugepage_size} hugepages are available (hugepages required)"
+            else f"OK: {format_size(args.hugepage_size)} hugepages are available (hugepages "
+            "required)"
         )
     print("\n".join(lines))
     return 0 if chosen["ok"] else 1
@@ -146,10 +177,15 @@ def _kubernetes(args: argparse.Namespace, command: list[str]) -> int:
 
     from hostpool.core import enginecmd, podplan
 
+    pod = podplan.load_pod(args.pod) if args.pod else None
+    container = podplan.pod_container(pod, args.container)  # ConfigError: exit 2
+    if pod is not None and not command and not args.config:
+        (spec,) = [c for c in pod["containers"] if c.get("name") == container]
+        command = [str(w) for w in (spec.get("command") or []) + (spec.get("args") or [])]
     if bool(args.config) == bool(command):
         print(
             "hostpool doctor: --kubernetes sizes either --config FILE or an engine command "
-            "line after --, one of them",
+            "line (after --, or --pod's container's), one of them",
             file=sys.stderr,
         )
         return INVALID
@@ -159,12 +195,14 @@ def _kubernetes(args: argparse.Namespace, command: list[str]) -> int:
         needs = [pool.need() for pool in from_file(args.config).pools]
     else:
         needs = enginecmd.needs_from_command(command)
-    engine = parse_size(args.engine_memory, what="--engine-memory")
-    extra = parse_size(args.shm_extra, what="--shm-extra")
-    patch = podplan.pod_resources(
-        needs, engine_memory=engine, shm_extra=extra, container=args.container
-    )
-    verdicts = podplan.node_checks(needs, engine_memory=engine, shm_extra=extra)
+    engine: int = args.engine_memory
+    extra: int = args.shm_extra
+    patch = podplan.pod_resources(needs, engine_memory=engine, shm_extra=extra, container=container)
+    verdicts = []
+    if pod is not None:
+        verdicts += podplan.pod_checks(pod, container, needs, engine_memory=engine, shm_extra=extra)
+    if args.check_host:
+        verdicts += podplan.node_checks(needs, engine_memory=engine, shm_extra=extra)
     ok = all(v.ok for v in verdicts)
     if args.json:
         print(json.dumps(podplan.as_json(needs, patch, verdicts), indent=2, sort_keys=True))

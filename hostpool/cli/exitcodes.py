@@ -32,6 +32,32 @@ EPILOG = (
     "hugepages, /dev/shm short, a failed check); 2 the input is wrong (a bad flag or "
     "value, a missing or malformed config, pools over their own budget)"
 )
+# Each subcommand's own causes, the end of its --help (the rule is the same for all;
+# a subcommand may declare its own epilog instead: hostpool.cli.command.Subcommand).
+EPILOGS = {
+    "serve": EPILOG,
+    "exporter": (
+        "exit status: 0 ok (stopped by a signal); 1 the input is right but this host cannot "
+        "do it now (the port is in use, the --pid process may not be read); 2 the input is "
+        "wrong (a bad flag or value, a malformed web config file)"
+    ),
+    "doctor": (
+        "exit status: 0 ok (a check passed); 1 the input is right but a check failed (--need "
+        "or --hugepages required on this host, --kubernetes --check-host on this node or "
+        "pod); 2 the input is wrong (a bad flag, a size without a unit, a command line or "
+        "config it cannot size, --container missing or naming no container of --pod)"
+    ),
+    "shm": (
+        "exit status: 0 ok; 1 the input is right but this host cannot do it now (the scan "
+        "could not run here); 2 the input is wrong (a bad flag or engine name)"
+    ),
+    "reap": (
+        "exit status: 0 ok (done, or nothing to do; an object a process took since the scan "
+        "is kept, not a failure); 1 the input is right but this host cannot do it now (a "
+        "candidate could not be removed); 2 the input is wrong (a bad duration, an unknown "
+        "engine, a --dir that is not a directory on tmpfs)"
+    ),
+}
 
 
 def for_error(exc: BaseException) -> int:

@@ -12,6 +12,9 @@
   limits as Kubernetes requires); a `prefer` pool falls back to normal pages when the
   node runs out, so memory covers it too. The emptyDir's `sizeLimit` is the bytes of the
   /dev/shm files (a Memory emptyDir counts against the memory limit as well).
+- `pod_checks`: a pod spec as written (a manifest's Deployment, StatefulSet, DaemonSet,
+  Job or Pod: `load_pod`) against them, one `Verdict` each: the container's memory and
+  hugepage limits (requests equal), its /dev/shm a Memory emptyDir big enough.
 - `node_checks`: the limits of where it runs, one `Verdict` each: /dev/shm's size, the
   cgroup memory limit, free hugepages per NUMA node, RLIMIT_MEMLOCK (pinned pools) and
   vm.max_map_count (one mapping per allocation).
@@ -20,6 +23,7 @@
 from __future__ import annotations
 
 import os
+import re
 import resource
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -133,6 +137,111 @@ def pod_resources(
         "volumes": [{"name": "dshm", "emptyDir": dshm}],
     }
     return {"spec": {"template": {"spec": spec}}}
+
+
+_QUANTITY = re.compile(r"([0-9.]+(?:[eE][-+]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?")
+_SUFFIX = {None: 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+_SUFFIX.update({f"{s}i": float(1 << (10 * (i + 1))) for i, s in enumerate("KMGTPE")})
+
+
+def quantity_bytes(text: object) -> int:
+    """A Kubernetes quantity ("116Gi", "64G", "129e6", 1024) as bytes (ConfigError)."""
+    match = _QUANTITY.fullmatch(str(text).strip())
+    if match is None:
+        raise ConfigError(f"not a Kubernetes quantity: {text!r}")
+    return int(float(match.group(1)) * _SUFFIX[match.group(2)] + 0.5)
+
+
+def load_pod(path: str) -> dict[str, Any]:
+    """The pod spec of the first workload in a manifest file (YAML, several documents
+    allowed): a Pod's `spec`, or the `spec.template.spec` of a Deployment and the like."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            documents = list(yaml.safe_load_all(f))
+    except OSError as exc:
+        raise ConfigError(f"--pod {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--pod {path}: not YAML ({exc})".replace("\n", " ")) from None
+    for doc in documents:
+        spec = doc.get("spec") if isinstance(doc, dict) else None
+        if isinstance(spec, dict) and doc.get("kind") != "Pod":
+            spec = (spec.get("template") or {}).get("spec")
+        if isinstance(spec, dict) and isinstance(spec.get("containers"), list):
+            return spec
+    raise ConfigError(f"--pod {path}: no Pod, or workload with a pod template, in it")
+
+
+def pod_container(pod: Mapping[str, Any] | None, name: str | None) -> str:
+    """The engine container's name: `name`, which the pod must have, or else the pod's
+    only container (ConfigError: a patch for a container the pod lacks would add a
+    second container with no image)."""
+    names = [c.get("name") for c in (pod or {}).get("containers", [])]
+    if name is not None and (pod is None or name in names):
+        return name
+    if name is None and len(names) == 1:
+        return str(names[0])
+    if name is None:
+        raise ConfigError(
+            "--container NAME is required: the engine's container"
+            + (f" (the pod has {', '.join(map(str, names))})" if names else "")
+        )
+    raise ConfigError(f"--container {name}: the pod has no such container ({', '.join(names)})")
+
+
+def pod_checks(
+    pod: Mapping[str, Any],
+    container: str,
+    needs: list[PoolNeed],
+    *,
+    engine_memory: int,
+    shm_extra: int,
+) -> list[Verdict]:
+    """The pod spec as written against what `needs` ask for, one verdict each: the
+    container's memory and hugepage limits, requests equal to limits, and /dev/shm."""
+    (spec,) = [c for c in pod["containers"] if c.get("name") == container]
+    resources = spec.get("resources") or {}
+    limits, requests = resources.get("limits") or {}, resources.get("requests") or {}
+    want = {"memory": _round_up(memory_bytes(needs, engine_memory, shm_extra), 1 << 20)}
+    for size, total in sorted(hugepage_bytes(needs).items()):
+        want[HUGEPAGE_RESOURCES.get(size, f"hugepages-{format_size(size)}")] = total
+    verdicts = []
+    for name, need in want.items():
+        have = quantity_bytes(limits[name]) if name in limits else None
+        detail = f"{format_size(need)} needed, limit " + (
+            "none" if have is None else format_size(have)
+        )
+        verdicts.append(Verdict(have is not None and have >= need, f"pod {name}", detail))
+    unequal = sorted(k for k in limits if k in want and requests.get(k) != limits[k])
+    verdicts.append(
+        Verdict(
+            not unequal,
+            "pod requests",
+            "equal to limits" if not unequal else f"differ from limits: {', '.join(unequal)}",
+        )
+    )
+    verdicts.append(_devshm_verdict(pod, spec, devshm_bytes(needs, shm_extra)))
+    return verdicts
+
+
+def _devshm_verdict(pod: Mapping[str, Any], spec: Mapping[str, Any], want: int) -> Verdict:
+    """A Memory emptyDir mounted at /dev/shm whose sizeLimit holds `want` bytes."""
+    mounts = [m for m in spec.get("volumeMounts") or [] if m.get("mountPath") == "/dev/shm"]
+    names = {m.get("name") for m in mounts}
+    volumes: list[dict[str, Any]] = [v for v in pod.get("volumes") or [] if v.get("name") in names]
+    empty = (volumes[0].get("emptyDir") if volumes else None) or {}
+    if empty.get("medium") != "Memory":
+        return Verdict(
+            want == 0, "pod /dev/shm", f"{format_size(want)} needed, no Memory emptyDir there"
+        )
+    limit = quantity_bytes(empty["sizeLimit"]) if "sizeLimit" in empty else None
+    said = (
+        "no sizeLimit (the pod's memory limit bounds it)" if limit is None else format_size(limit)
+    )
+    return Verdict(
+        limit is None or limit >= want, "pod /dev/shm", f"{format_size(want)} needed, {said}"
+    )
 
 
 def free_hugepages_per_node(page_size: int) -> dict[int, int]:
