@@ -4,6 +4,8 @@ into real cgroups named as the systemd driver names them, scanned by `scan_host`
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import secrets
 import subprocess
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hostpool.host.model import HostObject
+from hostpool.host.model import Holder, HostObject, HostTotals, HostView
 from hostpool.host.pods import NO_POD, PodRef, kubelet_volume, parse_cgroup
 from hostpool.host.scan import scan_host
 from tests.kubeview import cgroup_root, pod_cgroup, pod_cgroup_path
@@ -92,10 +94,10 @@ own = os.memfd_create("vllm_own_" + sys.argv[1])
 os.ftruncate(own, 4096)
 if os.fork() == 0:
     os.close(own)
-    print("child", os.getpid(), flush=True)
+    os.write(1, b"child %d\\n" % os.getpid())  # one write each: lines never interleave
     sys.stdin.read()
     os._exit(0)
-print("parent", os.getpid(), flush=True)
+os.write(1, b"parent %d\\n" % os.getpid())
 sys.stdin.read()
 """
 
@@ -135,10 +137,10 @@ def test_holders_carry_their_pod_and_an_object_the_pod_they_agree_on() -> None:
 
 NAMESPACE = """
 set -e
-mount -t tmpfs -o size=1m tmpfs "$1/shm"
+mount -t tmpfs -o size=1m tmpfs /dev/shm
 mkdir -p "$1/kubelet/pods/$2/volumes/kubernetes.io~secret/token"
 mount -t tmpfs -o size=1m tmpfs "$1/kubelet/pods/$2/volumes/kubernetes.io~secret/token"
-head -c 4096 /dev/zero > "$1/shm/vllm_offload_$3.mmap"
+head -c 4096 /dev/zero > "/dev/shm/vllm_offload_$3.mmap"
 head -c 4096 /dev/zero > "$1/kubelet/pods/$2/volumes/kubernetes.io~secret/token/token_$3"
 echo ready
 exec cat
@@ -147,10 +149,9 @@ exec cat
 
 @needs_cgroups
 def test_unheld_files_belong_to_their_volume_or_their_namespace(tmp_path: Path) -> None:
-    """A container's own tmpfs (in its mount namespace only) is its pod's and container's;
+    """A container's own /dev/shm (in its mount namespace only) is its pod's and container's;
     a kubelet volume of another pod mounted there is that pod's, by its path."""
     token, volume_uid = secrets.token_hex(6), str(uuid.uuid4())
-    (tmp_path / "shm").mkdir()
     with (
         pod_cgroup(UID, CID) as into_pod,
         subprocess.Popen(
@@ -184,3 +185,72 @@ def test_pod_cgroup_is_named_as_the_systemd_driver_names_it() -> None:
         proc.stdin.close()
     assert pod_cgroup_path(UID, CID).encode() in cgroup
     assert parse_cgroup(cgroup) == PodRef(UID, CID)
+
+
+def _object(name: str, resident: int, pod: str | None, *, orphan: bool = False) -> HostObject:
+    holders = () if orphan else (Holder(7, "python3", 1, 0, pod, None),)
+    return HostObject("memfd", name, None, "vllm", None, resident, resident, holders, orphan,
+                      None, pod_uid=pod)  # fmt: skip
+
+
+def test_shm_by_pod_groups_most_resident_first_no_pod_last() -> None:
+    from hostpool.cli.shm import by_pod, encode, render_pods
+
+    other = str(uuid.uuid4())
+    objects = [
+        _object("a", 1 << 20, UID),
+        _object("b", 1 << 10, None),
+        _object("c", 2 << 20, other),
+        _object("d", 2 << 20, UID, orphan=True),
+    ]
+    pods = by_pod(objects)
+    assert [(p.pod_uid, [o.name for o in p.objects]) for p in pods] == [
+        (UID, ["a", "d"]), (other, ["c"]), (None, ["b"]),
+    ]  # fmt: skip
+    assert pods[0].as_json() == {
+        "pod_uid": UID, "objects": 2, "resident_bytes": 3 << 20, "orphaned_bytes": 2 << 20,
+    }  # fmt: skip
+    totals = HostTotals(0, 0, 0, 0, 0, 0)
+    doc = json.loads(encode(HostView(tuple(objects), totals), objects, {"pods": []}))
+    assert doc["pods"] == [] and [o["name"] for o in doc["objects"]] == ["a", "b", "c", "d"]
+    out = io.StringIO()
+    render_pods(HostView(tuple(objects), totals), pods, out)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == f"pod {UID}: 2 object(s), 3MiB resident, 2MiB orphaned"
+    assert lines[1].split()[:2] == ["vllm", "memfd"] and "ORPHAN" in lines[2]
+    assert lines[5].startswith("no pod: 1 object(s)")
+
+
+@needs_cgroups
+def test_shm_by_pod_on_real_pods() -> None:
+    """`hostpool shm --by pod --json` and its text: the memfd a pod's process holds is
+    listed under that pod."""
+    token = secrets.token_hex(6)
+    with (
+        pod_cgroup(UID, CID) as into_pod,
+        subprocess.Popen(
+            [sys.executable, "-c", HOLDERS, token],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        ) as proc,
+    ):  # fmt: skip
+        assert proc.stdout is not None and proc.stdin is not None
+        said = dict(proc.stdout.readline().split() for _ in range(2))
+        try:
+            into_pod(int(said["parent"]))
+            into_pod(int(said["child"]))
+            shm = [sys.executable, "-m", "hostpool", "shm", "--by", "pod"]
+            doc = json.loads(subprocess.run([*shm, "--json"], capture_output=True,
+                                            check=True, timeout=300).stdout)  # fmt: skip
+            text = subprocess.run(shm, capture_output=True, check=True, text=True, timeout=300)
+        finally:
+            proc.stdin.close()
+    pod = next(p for p in doc["pods"] if p["pod_uid"] == UID)
+    mine = [o for o in doc["objects"] if token in o["name"]]
+    assert {(o["name"], o["pod_uid"], o["container_id"]) for o in mine} == {
+        (f"vllm_shared_{token}", UID, CID), (f"vllm_own_{token}", UID, CID),
+    }  # fmt: skip
+    assert pod["objects"] >= 2 and pod["resident_bytes"] >= 0
+    listed = [o["pod_uid"] for o in doc["objects"]]
+    assert listed == sorted(listed, key=lambda u: [p["pod_uid"] for p in doc["pods"]].index(u))
+    heading = text.stdout.split(f"pod {UID}: ", 1)[1]
+    assert f"vllm_own_{token}" in heading.split("\npod ", 1)[0].split("\nno pod", 1)[0]
