@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import subprocess
@@ -153,3 +154,34 @@ def test_doctor_hugepages_required_says_when_it_passes_or_why_not() -> None:
         assert last.startswith("OK: 2MiB hugepages")
     else:
         assert last.startswith("PROBLEM:")
+
+
+TINY_HOLDER = """
+import os, sys
+fd = os.memfd_create(sys.argv[1])
+os.write(fd, b"x" * 1000)  # one page resident for 1000 bytes
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_shm_never_prints_resident_above_the_size() -> None:
+    """Pages are whole: a 1000-byte memfd holds 4 KiB. Its line says 1000B of 1000B;
+    --json keeps the pages (resident_bytes 4096)."""
+    name = f"vllm_offload_tiny_{os.getpid()}.mmap"
+    child = subprocess.Popen(
+        [sys.executable, "-c", TINY_HOLDER, name], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        text = hostpool("shm", "--engine", "vllm")
+        doc = json.loads(hostpool("shm", "--engine", "vllm", "--json").stdout)
+    finally:
+        child.kill()
+        child.wait()
+    assert text.returncode == 0, text.stderr
+    (line,) = [ln for ln in text.stdout.splitlines() if name in ln]
+    assert line.split()[:4] == ["memfd", "1000B", "of", "1000B"], line
+    (obj,) = [o for o in doc["objects"] if o["name"] == name]
+    assert (obj["size_bytes"], obj["resident_bytes"]) == (1000, os.sysconf("SC_PAGE_SIZE"))

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from hostpool.cli.inspect import default_prefixes
 from tests import helpers
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -191,7 +192,7 @@ def test_a_process_without_shared_memory_is_said_so() -> None:
         assert result.returncode == 0, result.stderr
         assert result.stdout.splitlines()[0].split(" ", 5)[4:] == [
             "pools=0",
-            'findings=0 note="no shared memory named hostpool. or sglang_host_pool_"',
+            f'findings=0 note="no shared memory named {" or ".join(default_prefixes())}"',
         ]
         code, text = helpers.hostpool_on_tty("inspect", str(child.pid), "--prefix", "myapp_")
         assert code == 0
@@ -265,3 +266,38 @@ def test_an_unreadable_process_exits_1_with_a_permission_message(
     assert text.startswith("code=1 out='' err=hostpool inspect: permission denied reading "), text
     assert "it runs as uid 0 gid 0 and you as uid 65534 gid 65534;" in text
     assert "needs CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH" in text
+
+
+ENGINES_CHILD = """
+import mmap, os, sys
+keep = []
+for name in ("vllm_offload_engine0.mmap", "torch_1_2_3"):
+    fd = os.memfd_create(name)
+    os.ftruncate(fd, 1 << 16)
+    keep.append(mmap.mmap(fd, 1 << 16))
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_default_prefixes_follow_the_engine_table() -> None:
+    """vLLM's offload memory (its `vllm_offload_*` name) is reported with no --prefix, as
+    every engine row of hostpool.host.engines is; torch's own shared memory is not."""
+    from hostpool.host.engines import ENGINE_PATTERNS
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ENGINES_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        doc = json.loads(inspect(str(proc.pid), "--json").stdout)
+    finally:
+        proc.kill()
+        proc.wait()
+    rows = {r.engine: r.pattern for r in ENGINE_PATTERNS}
+    assert rows["vllm"] == "vllm_offload_*" and rows["torch"] == "torch_*"
+    assert {"hostpool.", "sglang_host_pool_", "vllm_offload_"} <= set(doc["prefixes"])
+    assert "torch_" not in doc["prefixes"]
+    pools = [(p["prefix"], p["mapped_bytes"]) for p in doc["pools"]]
+    assert pools == [("vllm_offload_", 1 << 16)]

@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prefix",
         action="append",
         metavar="P",
-        help="shm name prefix to report (repeatable; default: hostpool. and sglang_host_pool_)",
+        help="shm name prefix to report (repeatable; default: the engines' prefixes of the "
+        f"engine table, {', '.join(default_prefixes())})",
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--watch", type=_positive_seconds, metavar="SECONDS",
@@ -49,9 +50,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="exit 1 when there are findings (for scripts)")  # fmt: skip
 
 
+# Rows of the engine table that are any program's, not an engine's: torch's and Python's
+# own shared memory (only with --prefix)
+_LIBRARIES = ("torch", "python")
+
+
+def default_prefixes() -> tuple[str, ...]:
+    """The prefixes of the engine table's rows (hostpool.host.engines) whose pattern is a
+    prefix (`vllm_offload_*`), libraries' rows left out; hostpool's own first."""
+    from hostpool.host.engines import ENGINE_PATTERNS
+
+    found = [
+        row.pattern[:-1]
+        for row in ENGINE_PATTERNS
+        if row.engine not in _LIBRARIES
+        and row.pattern.endswith("*")
+        and not any(c in row.pattern[:-1] for c in "*?[")
+    ]
+    return tuple(dict.fromkeys([*names.KNOWN_PREFIXES, *found]))
+
+
 def run(args: argparse.Namespace) -> int:
     pid: int = os.getpid() if args.inspect_self else args.pid
-    prefixes = tuple(args.prefix) if args.prefix else names.KNOWN_PREFIXES
+    prefixes = tuple(args.prefix) if args.prefix else default_prefixes()
     if not all(prefixes):
         return _fail(2, "--prefix must not be empty")
     try:

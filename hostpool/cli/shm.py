@@ -204,8 +204,12 @@ def _line(o: HostObject) -> str:
     extra += " hugetlb" if o.hugetlb else ""
     extra += f" pool={printable(o.pool)}" if o.pool is not None else ""
     age = "" if o.age_seconds is None else f" age {format_duration(o.age_seconds)}"
+    # resident counts whole pages (a 1000-byte file holds a 4 KiB page): "4KiB of 1000B"
+    # reads as a wrong figure, so a line says at most the size (the totals and --json are
+    # the pages themselves: docs/cli.md)
+    resident = min(o.resident_bytes, o.size_bytes)
     return (
-        f"{o.kind:<11} {format_size(o.resident_bytes):>10} of {format_size(o.size_bytes):<10}"
+        f"{o.kind:<11} {format_size(resident):>10} of {format_size(o.size_bytes):<10}"
         f" {where}{extra}{age}  {state}"
     )
 
