@@ -359,6 +359,39 @@ HUGEPAGES = RowSpec(
             thresholds=((None, "red"), (1, "green")),
             needs="serve",
         ),
+        PanelSpec(
+            "Broker leases (hostpool serve)",
+            "Parts of each pool (memory, index) that `hostpool serve`, as the broker, lends "
+            "to an engine now (hostpool_broker_leases). A lease ends when the engine closes "
+            "its connection or dies; the pool and its contents stay with the broker.",
+            "short",
+            (q(f"sum by (pool) (hostpool_broker_leases{{{POOL}}})", "{{pool}}"),),
+            width=12,
+            needs="serve",
+        ),
+        PanelSpec(
+            "Broker index records adopted and discarded",
+            "Offload index records a restarted engine adopted (blocks it found in the "
+            "broker's pool: hostpool_broker_adopted_blocks_total) and those it discarded "
+            "(hostpool_broker_discarded_blocks_total by reason: identity, unfinished, torn, "
+            "random_seed, resized). Discards by identity after a deploy mean the engine's "
+            "model or layout changed: expected once per change.",
+            "short",
+            (
+                q(
+                    f"sum by (pool) (increase(hostpool_broker_adopted_blocks_total{{{POOL}}}"
+                    f"{RATE}))",
+                    "{{pool}} adopted",
+                ),
+                q(
+                    "sum by (pool, reason) (increase("
+                    f"hostpool_broker_discarded_blocks_total{{{POOL}}}{RATE}))",
+                    "{{pool}} discarded {{reason}}",
+                ),
+            ),
+            width=12,
+            needs="serve",
+        ),
     ),
 )
 

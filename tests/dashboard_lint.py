@@ -435,7 +435,7 @@ def optional_panels(dashboard: Mapping[str, Any]) -> dict[str, str]:
     node_exporter ("node_exporter"), from `hostpool exporter` ("exporter"), from its
     node view `hostpool exporter --node` ("node"), from vLLM's metrics route ("vllm") or
     from `hostpool serve` alone ("serve": servers that embed hostpool have no populate
-    phase)."""
+    phase, and no broker)."""
     needs: dict[str, str] = {}
     for panel in content_panels(dashboard):
         names = set().union(*(metric_names(t.get("expr", "")) for t in panel.get("targets", [])))
@@ -447,6 +447,6 @@ def optional_panels(dashboard: Mapping[str, Any]) -> dict[str, str]:
             needs[panel["title"]] = "node"
         elif names and all(n.startswith("hostpool_vllm_") for n in names):
             needs[panel["title"]] = "vllm"
-        elif names and all(n.startswith("hostpool_serve_") for n in names):
+        elif names and all(n.startswith(("hostpool_serve_", "hostpool_broker_")) for n in names):
             needs[panel["title"]] = "serve"
     return needs

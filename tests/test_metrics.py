@@ -65,7 +65,13 @@ def test_what_a_registry_exposes_is_the_documented_catalogue() -> None:
         for name, metric in lint.load_catalogue().items()
         # not this collector's
         if not name.startswith(
-            ("hostpool_exporter_", "hostpool_host_", "hostpool_serve_", "hostpool_vllm_")
+            (
+                "hostpool_exporter_",
+                "hostpool_host_",
+                "hostpool_serve_",
+                "hostpool_vllm_",
+                "hostpool_broker_",
+            )
         )
     }
     with HostPoolManager() as m:

@@ -254,6 +254,7 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
     from hostpool.cli.progress import PopulateProgress
     from hostpool.memory import populate
     from hostpool.net.listener import Listener
+    from hostpool.serve.broker_metrics import BrokerCollector
     from hostpool.serve.http import service_app, service_registry
     from hostpool.serve.progress_metrics import PopulateState
     from hostpool.serve.service import PoolService
@@ -265,6 +266,9 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
         return 0
     service = PoolService(cfg)
     state = PopulateState(((p.name, p.size) for p in cfg.pools), stop.event)
+    registry = service_registry(state)
+    broker_metrics = BrokerCollector(p.name for p in cfg.pools)  # its book once it lends
+    registry.register(broker_metrics)
     share = None
     demo = None
     served = False
@@ -275,7 +279,7 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
                 debug=service.debug_document,
                 healthy=lambda: not stop.event.is_set(),
                 readiness=state.readiness,
-                registry=service_registry(state),
+                registry=registry,
             )
         )
         served = True
@@ -300,10 +304,12 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
         if stop.event.is_set():
             return 0
         if cfg.share_socket:
-            from hostpool.share import PoolShareServer
+            from hostpool.broker.server import Broker  # the share server that also lends
 
             try:
-                share = PoolShareServer(service.manager, cfg.share_socket).start()
+                broker = Broker(service.manager, cfg.share_socket)
+                share = broker.start()
+                broker_metrics.book = broker.book
             except Cancelled:  # stopped while waiting for the socket directory's lock
                 return 0
             except HostPoolError as exc:

@@ -1,0 +1,237 @@
+"""The broker (`hostpool serve --share-socket`) lends its pools to real processes: a lease
+is exclusive (the second is refused naming the holder's pid), a lessee killed with
+SIGKILL ends its lease and the broker keeps the memory and what was written, only the
+broker's uid may connect, and the leases and adoptions show on serve's /metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+
+from tests import helpers, waiting
+from tests.test_serve import Served, start_serve
+
+MiB = 1 << 20
+CHUNK = 4 * MiB
+POOL = 16 * MiB
+
+# A lessee: leases `pool` (argv: path, pool, mode), prints one JSON line, then holds the
+# lease until its stdin closes. `fill`: writes byte i+1 over chunk i of the pool and its pid
+# at the end; `read`: reports the first byte of every chunk and the pid found at the end;
+# `index`: leases only the index part (argv[4] bytes) and writes b"hello" at its start.
+LESSEE = """
+import ctypes, json, os, struct, sys
+from hostpool.broker import lease
+from hostpool.errors import ShareError
+path, pool, mode = sys.argv[1:4]
+try:
+    if mode == "index":
+        l = lease(path, pool, memory=False, index_bytes=int(sys.argv[4]))
+        seen = bytes(l.index[:5])
+        l.index[:5] = b"hello"
+        out = {"pid": os.getpid(), "seen": seen.decode(errors="replace")}
+    else:
+        l = lease(path, pool)
+        buf = l.buffer()
+        chunk = l.sizes[0]
+        if mode == "fill":
+            for i in range(len(l.sizes)):
+                ctypes.memset(l.address + i * chunk, i + 1, chunk)
+            struct.pack_into("<q", buf, l.size - 8, os.getpid())
+        firsts = [buf[i * chunk] for i in range(len(l.sizes))]
+        (pid,) = struct.unpack_from("<q", buf, l.size - 8)
+        del buf
+        out = {"pid": os.getpid(), "size": l.size, "sizes": l.sizes, "firsts": firsts,
+               "writer": pid, "fds": len(l.fds)}
+except ShareError as exc:
+    print(json.dumps({"pid": os.getpid(), "error": str(exc)}), flush=True)
+    sys.exit(1)
+print(json.dumps(out), flush=True)
+sys.stdin.read()
+l.close()
+"""
+
+
+class Lessee:
+    """A real lessee process and the JSON line it printed (waited on: a pipe)."""
+
+    def __init__(self, path: str, pool: str, mode: str, *extra: str, prefix: tuple[str, ...] = ()):
+        self.proc = subprocess.Popen(
+            [*prefix, sys.executable, "-c", textwrap.dedent(LESSEE), path, pool, mode, *extra],
+            cwd=helpers.ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"lessee exited {self.proc.wait()} without a report"
+        self.report = json.loads(line)
+
+    def end(self) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        return self.proc.wait(timeout=waiting.DEADLINE)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def _metric(served: Served, name: str, **labels: str) -> float | None:
+    body = served.get("/metrics")[1]
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    match = re.search(rf"^{name}\{{{re.escape(want)}\}} (\S+)$", body, re.M)
+    return None if match is None else float(match.group(1))
+
+
+@pytest.fixture
+def broker(tmp_path: os.PathLike[str]) -> Iterator[tuple[Served, str]]:
+    config = os.path.join(tmp_path, "serve.toml")
+    with open(config, "w") as f:
+        f.write(f'[pools.kv]\nsize = "{POOL}"\nchunk = "{CHUNK}"\n[pools.meta]\nsize = "1MiB"\n')
+    sock = os.path.join(tmp_path, "run", "broker.sock")
+    served = start_serve(tmp_path, "--config", config, "--share-socket", sock)
+    yield served, sock
+    served.kill()
+
+
+def test_a_lease_is_exclusive_and_outlives_its_lessee(broker: tuple[Served, str]) -> None:
+    served, sock = broker
+    assert _metric(served, "hostpool_broker_leases", pool="kv") == 0
+    first = Lessee(sock, "kv", "fill")
+    try:
+        # the pool's four 4 MiB chunks, mapped side by side at one address
+        assert first.report["sizes"] == [CHUNK] * 4 and first.report["size"] == POOL
+        assert first.report["firsts"] == [1, 2, 3, 4]
+        assert _metric(served, "hostpool_broker_leases", pool="kv") == 1
+        second = Lessee(sock, "kv", "read")
+        assert second.proc.wait(timeout=waiting.DEADLINE) == 1
+        error = second.report["error"]
+        assert f"leased by pid {first.report['pid']}" in error, error
+        assert "exclusive" in error
+        allocated = _metric(served, "hostpool_allocated_bytes", allocator="shm",
+                            page_size="4KiB", pool="kv")  # fmt: skip
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait()
+        log = waiting.wait_for_log(
+            served.stderr_path, "hostpool.broker_lease_ended", alive=served.proc
+        )
+        assert "connection closed" in log and f"{first.report['pid']}" in log
+        assert _metric(served, "hostpool_broker_leases", pool="kv") == 0
+        assert (
+            _metric(
+                served, "hostpool_allocated_bytes", allocator="shm", page_size="4KiB", pool="kv"
+            )
+            == allocated
+            == POOL
+        )
+        third = Lessee(sock, "kv", "read")
+        try:
+            # what the killed lessee wrote is still there, read through a new lease
+            assert third.report["firsts"] == [1, 2, 3, 4]
+            assert third.report["writer"] == first.report["pid"]
+        finally:
+            assert third.end() == 0
+        waiting.wait_for(
+            lambda: _metric(served, "hostpool_broker_leases", pool="kv") == 0,
+            "the lease to end with its connection",
+        )
+    finally:
+        first.kill()
+    assert served.stop() == 0
+
+
+def test_the_index_part_is_leased_apart_and_adoptions_are_counted(
+    broker: tuple[Served, str],
+) -> None:
+    served, sock = broker
+    page = os.sysconf("SC_PAGE_SIZE")
+    scheduler = Lessee(sock, "kv", "index", str(4 * page))
+    try:
+        assert scheduler.report["seen"] == "\0" * 5  # a fresh index
+        worker = Lessee(sock, "kv", "fill")  # the memory part is another lease
+        other = Lessee(sock, "kv", "index", str(4 * page))
+        assert other.proc.wait(timeout=waiting.DEADLINE) == 1
+        assert f"pid {scheduler.report['pid']}" in other.report["error"]
+        assert _metric(served, "hostpool_broker_leases", pool="kv") == 2
+        assert worker.end() == 0
+    finally:
+        scheduler.kill()
+    waiting.wait_for_log(served.stderr_path, '"part": "index"', alive=served.proc)
+    again = Lessee(sock, "kv", "index", str(4 * page))
+    try:
+        assert again.report["seen"] == "hello"  # the index outlived its lessee too
+    finally:
+        assert again.end() == 0
+    # the adoption report of an index lessee reaches the broker's counters
+    code = textwrap.dedent(f"""
+        from hostpool.broker import lease
+        with lease({sock!r}, "kv", memory=False, index_bytes={4 * page}) as l:
+            l.report(7, {{"identity": 2, "unfinished": 1}}, reason="identity", field_="dtype")
+        print("reported")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=helpers.ROOT, capture_output=True,
+                          text=True, timeout=waiting.DEADLINE)  # fmt: skip
+    assert done.returncode == 0 and "reported" in done.stdout, done.stderr
+    assert _metric(served, "hostpool_broker_adopted_blocks_total", pool="kv") == 7
+    assert _metric(served, "hostpool_broker_adopted_blocks_total", pool="meta") == 0
+    assert (
+        _metric(served, "hostpool_broker_discarded_blocks_total", pool="kv", reason="identity") == 2
+    )
+    log = waiting.log_text(served.stderr_path)
+    assert "hostpool.broker_adopted" in log and '"field": "dtype"' in log
+    # an index of another size is a fresh one: nothing of the old one is handed out
+    fresh = Lessee(sock, "kv", "index", str(8 * page))
+    try:
+        assert fresh.report["seen"] == "\0" * 5
+    finally:
+        assert fresh.end() == 0
+
+
+def test_a_pool_the_broker_does_not_hold_is_refused_naming_its_pools(
+    broker: tuple[Served, str],
+) -> None:
+    _, sock = broker
+    lessee = Lessee(sock, "nope", "read")
+    assert lessee.proc.wait(timeout=waiting.DEADLINE) == 1
+    assert "no pool 'nope'" in lessee.report["error"] and "'kv'" in lessee.report["error"]
+
+
+def test_only_the_brokers_uid_may_lease(public_dir: str) -> None:
+    """A foreign uid (setpriv) reaches the socket (allowed_uids opens it to others) but
+    SO_PEERCRED refuses it: the connection is closed, and the lease fails saying so."""
+    import torch
+    from structlog.testing import capture_logs
+
+    from hostpool import HostPoolManager
+    from hostpool.broker import Broker
+
+    path = os.path.join(public_dir, "open", "broker.sock")
+    with HostPoolManager() as manager:
+        t = manager.allocator("kv").allocate((MiB,), torch.uint8)
+        with Broker(manager, path, allowed_uids=[4242]) as broker, capture_logs() as logs:
+            assert os.stat(path).st_mode & 0o777 == 0o666  # reachable, and checked
+            setpriv = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+            lessee = Lessee(path, "kv", "read", prefix=setpriv)
+            assert lessee.proc.wait(timeout=waiting.DEADLINE) == 1
+            assert "not allowed" in lessee.report["error"], lessee.report
+            assert broker.book.leases() == {}
+        refused = [e for e in logs if e["event"] == "hostpool.share_refused"]
+        assert refused and refused[0]["uid"] == 65534
+        del t
+
+
+@pytest.fixture
+def public_dir() -> Iterator[str]:
+    with helpers.public_dir("hostpool-broker-") as top:
+        yield top
