@@ -118,12 +118,14 @@ def check_hook(interpreter: str) -> None:
 
 def reap_orphans() -> None:
     """`--reap`: remove the known engines' orphans on this mount namespace's tmpfs mounts,
-    of any age: CMD has not started, so nothing of the engine in this container can be
-    about to open them; other namespaces (other containers' engines, running) are left
-    alone. A failure is one line on stderr (each object a `hostpool.reap_failed` event),
-    never a refusal: the operator asked for the engine to start, an orphan left costs
-    RAM the engine reports itself if it runs short, and a cleanup must not become the
-    outage (a CrashLoop of its own)."""
+    of any age, each proven unheld by the kernel's lease (`host.reap`): CMD has not
+    started, so nothing of the engine in this container can be about to open them; other
+    namespaces (other containers' engines, running) are left alone. A failure, or a file
+    the kernel could not prove unheld, is one line on stderr (each object a
+    `hostpool.reap_failed` or `hostpool.reap_unprovable` event), never a refusal: the
+    operator asked for the engine to start, an orphan left costs RAM the engine reports
+    itself if it runs short, and a cleanup must not become the outage (a CrashLoop of
+    its own)."""
     from hostpool.host import reap, scan
 
     try:
@@ -132,7 +134,9 @@ def reap_orphans() -> None:
     except Exception as exc:  # any reason: reported, and CMD still runs
         print(f"hostpool run: --reap failed ({exc}); running CMD anyway", file=sys.stderr)
         return
-    failed = [r for r in results if r.outcome == "failed"]
+    # kept_unprovable: the kernel could not say nobody holds it (not the file's owner,
+    # say): kept, and said like a failure
+    failed = [r for r in results if r.outcome in ("failed", "kept_unprovable")]
     if failed:
         first = failed[0]
         print(
