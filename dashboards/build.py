@@ -17,13 +17,14 @@ from typing import Any, Literal
 
 from grafana_foundation_sdk.builders import common as common_builders
 from grafana_foundation_sdk.builders import dashboard as dash
-from grafana_foundation_sdk.builders import gauge, heatmap, prometheus, stat, timeseries
+from grafana_foundation_sdk.builders import gauge, heatmap, prometheus, stat, table, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import heatmap as heatmap_models
 from grafana_foundation_sdk.models.dashboard import (
     DashboardCursorSync,
     DataSourceRef,
+    DataTransformerConfig,
     Threshold,
     ThresholdsMode,
     VariableRefresh,
@@ -58,7 +59,7 @@ NEEDS_NOTE = {
     "sglang and vLLM, have no populate phase of their own).",
 }
 
-PanelKind = Literal["timeseries", "heatmap", "stat", "gauge"]
+PanelKind = Literal["timeseries", "heatmap", "stat", "gauge", "table"]
 Needs = Literal["node_exporter", "exporter", "serve", "node", "vllm"]
 
 
@@ -67,6 +68,7 @@ class Query:
     expr: str
     legend: str
     heatmap: bool = False
+    table: bool = False  # an instant query, one row per series (a table panel's)
 
 
 @dataclass(frozen=True)
@@ -708,8 +710,27 @@ EXPORTER = RowSpec(
     ),
 )
 
+
+def named_pods(expr: str, by: str) -> str:
+    """`expr` (summed `by` labels that include pod_uid) with each pod's `namespace` and
+    `pod` from kube-state-metrics' kube_pod_info, joined on its uid; series of no pod, or
+    of pods it does not list, kept as they are (the rule
+    instance_pod_engine_area_state:hostpool_host_shm_bytes:sum, for any grouping)."""
+    pods = (
+        "group by (pod_uid, namespace, pod) "
+        '(label_join(kube_pod_info{uid!=""}, "pod_uid", "", "uid"))'
+    )
+    return f"({expr}) * on (pod_uid) group_left (namespace, pod) {pods} or on ({by}) ({expr})"
+
+
+_POD_SHM = f'sum by (pod_uid) (hostpool_host_shm_bytes{{{TARGET}, pod_uid!=""}})'
+_POD_ORPHANS = (
+    "sum by (instance, pod_uid, engine, area) "
+    f'(hostpool_host_shm_bytes{{{TARGET}, state="orphaned"}})'
+)
+
 # `hostpool exporter --node`: every shared-memory object on the host, by the fixed label
-# sets (engine, kind, state); never a pid, path or name.
+# sets (engine, kind, state, area) and pod uid; never a pid, path or name.
 HOST_SHM = RowSpec(
     "Host shared memory",
     (
@@ -791,6 +812,37 @@ HOST_SHM = RowSpec(
                 ),
             ),
             thresholds=((None, "green"), (600, "orange")),
+            needs="node",
+        ),
+        PanelSpec(
+            "Top pods by shared memory",
+            "The 10 pods whose shared memory holds the most RAM (resident bytes of the "
+            "objects their processes hold, of their kubelet volumes and of their own "
+            "/dev/shm; hugetlb left out), named by kube-state-metrics' kube_pod_info where "
+            "it is scraped (else by uid). An object held by processes of several pods "
+            "belongs to none and is not here. `hostpool shm --by pod` lists the objects.",
+            "bytes",
+            (
+                q(
+                    f"topk(10, {named_pods(_POD_SHM, 'pod_uid')})",
+                    "{{namespace}}/{{pod}} {{pod_uid}}",
+                ),
+            ),
+            width=12,
+            needs="node",
+        ),
+        PanelSpec(
+            "Orphans by pod",
+            "Orphaned shared memory now (files no process holds, unattached SysV segments; "
+            "hugetlb left out) by node, pod, engine and area: the pod's name where "
+            "kube-state-metrics is scraped, no pod for the node's own (/dev/shm of the "
+            "host, SysV). `unknown` orphans are listed here and never paged "
+            "(HostpoolOrphanedShm is for known engines): `hostpool reap` takes them only "
+            "when told (`--engine unknown`), and nothing says whose they are.",
+            "bytes",
+            (Query(named_pods(_POD_ORPHANS, "instance, pod_uid, engine, area"), "", table=True),),
+            kind="table",
+            width=12,
             needs="node",
         ),
         PanelSpec(
@@ -904,6 +956,8 @@ def _target(query: Query, ref_id: str) -> prometheus.Dataquery:
     )
     if query.heatmap:
         target = target.format(PromQueryFormat.HEATMAP)
+    if query.table:
+        target = target.instant().format(PromQueryFormat.TABLE)
     return target
 
 
@@ -913,6 +967,25 @@ def _thresholds(steps: tuple[tuple[float | None, str], ...]) -> dash.ThresholdsC
         .mode(ThresholdsMode.ABSOLUTE)
         .steps([Threshold(value=value, color=color) for value, color in steps])
     )
+
+
+# A table panel's columns: the labels that say where, the value last; no time column.
+_TABLE_COLUMNS = DataTransformerConfig(
+    id_val="organize",
+    options={
+        "excludeByName": {"Time": True},
+        "indexByName": {
+            "instance": 0,
+            "namespace": 1,
+            "pod": 2,
+            "pod_uid": 3,
+            "engine": 4,
+            "area": 5,
+            "Value": 6,
+        },
+        "renameByName": {"Value": "resident bytes"},
+    },
+)
 
 
 def _last_value() -> common_builders.ReduceDataOptions:
@@ -964,6 +1037,8 @@ def _panel(spec: PanelSpec, panel_id: int) -> Any:
             .text_mode(common.BigValueTextMode.VALUE_AND_NAME)
             .reduce_options(_last_value())
         )
+    elif spec.kind == "table":
+        builder = table.Panel().show_header(True).with_transformation(_TABLE_COLUMNS)
     else:
         builder = gauge.Panel().min(0).reduce_options(_last_value())
     builder = (

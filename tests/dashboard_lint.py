@@ -292,7 +292,9 @@ def expr_problems(expr: str, catalogue: Mapping[str, Metric]) -> list[str]:
     for o in occurrences(expr):
         given = set(matchers(o.selector))
         required: list[tuple[str, str, str]] = []
-        if o.name.startswith("node_"):
+        if o.name == "kube_pod_info":
+            pass  # the cluster's pods (kube-state-metrics' job): joined on uid, not filtered
+        elif o.name.startswith("node_"):
             required.append(("instance", "=~", "$node"))
         else:
             required += [("job", "=~", "$job"), ("instance", "=~", "$instance")]
@@ -433,7 +435,8 @@ def panel_queries(
 def optional_panels(dashboard: Mapping[str, Any]) -> dict[str, str]:
     """Panels that may be empty, by what they need: every metric they query comes from
     node_exporter ("node_exporter"), from `hostpool exporter` ("exporter"), from its
-    node view `hostpool exporter --node` ("node"), from vLLM's metrics route ("vllm") or
+    node view `hostpool exporter --node` ("node", its pods named by kube_pod_info where
+    kube-state-metrics runs), from vLLM's metrics route ("vllm") or
     from `hostpool serve` alone ("serve": servers that embed hostpool have no populate
     phase, and no broker)."""
     needs: dict[str, str] = {}
@@ -443,8 +446,8 @@ def optional_panels(dashboard: Mapping[str, Any]) -> dict[str, str]:
             needs[panel["title"]] = "node_exporter"
         elif names and all(n.startswith("hostpool_exporter_") for n in names):
             needs[panel["title"]] = "exporter"
-        elif names and all(n.startswith("hostpool_host_") for n in names):
-            needs[panel["title"]] = "node"
+        elif names and all(n.startswith("hostpool_host_") for n in names - {"kube_pod_info"}):
+            needs[panel["title"]] = "node"  # pods named by kube-state-metrics where it runs
         elif names and all(n.startswith("hostpool_vllm_") for n in names):
             needs[panel["title"]] = "vllm"
         elif names and all(n.startswith(("hostpool_serve_", "hostpool_broker_")) for n in names):
