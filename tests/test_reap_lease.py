@@ -36,7 +36,7 @@ PY = sys.executable
 
 # A holder driven over its stdin, one command a line, each answered "ok" on stdout:
 # `open` (an fd), `map` (a mapping, its fd closed), `two` (two fds), `close1` (close one of
-# them), `lease` (a write lease of its own). It starts with nothing open.
+# them), `opath` (an O_PATH fd), `lease` (a write lease of its own). It starts with nothing open.
 _DRIVEN = r"""
 import fcntl, mmap, os, signal, sys
 path, fds, maps = sys.argv[1], [], []
@@ -52,6 +52,8 @@ for line in sys.stdin:
         os.close(fd)
     elif cmd == "close1":
         os.close(fds.pop())
+    elif cmd == "opath":
+        fds.append(os.open(path, os.O_PATH))
     elif cmd == "lease":
         fds.append(os.open(path, os.O_RDONLY))
         fcntl.fcntl(fds[-1], 1024, fcntl.F_WRLCK)
@@ -146,6 +148,18 @@ def test_the_lease_is_refused_while_held_and_granted_after(how: str) -> None:
         with driven(path, how):
             assert _lease_answer(path) == os.strerror(11)  # EAGAIN
         assert _lease_answer(path) == "granted"
+
+
+def test_an_o_path_fd_is_not_seen_by_the_lease_but_by_the_walk() -> None:
+    """The one holder the lease misses (an O_PATH fd reads and maps nothing, but keeps
+    the inode and can reopen it through /proc): the /proc walk keeps the file."""
+    with planted_orphan() as (_pid, path, st):
+        obj = scanned(st)
+        with driven(path, "opath") as holder:
+            assert _lease_answer(path) == "granted"
+            result = reaped(obj)
+            assert result.outcome == "kept_held" and f"pid {holder.proc.pid}" in result.detail
+            assert os.path.exists(path)
 
 
 # -- holders /proc cannot show -----------------------------------------------------------
