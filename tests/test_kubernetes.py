@@ -216,6 +216,121 @@ def test_prometheusrule_groups_pass_promtool_and_the_rule_unit_tests(tmp_path: P
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+# ---------------------------------------------------------------- one value each
+
+SETTINGS = {
+    "release": "kube-prometheus-stack",
+    "runbookURL": "https://docs.example/hostpool/runbook/",
+}
+
+
+def settings() -> dict[str, str]:
+    """The kustomization's settings literals, and its namespace."""
+    kustomization = yaml.safe_load((KUBE / "kustomization.yaml").read_text())
+    (generator,) = kustomization["configMapGenerator"]
+    assert generator["name"] == "hostpool-settings"
+    values = dict(literal.split("=", 1) for literal in generator["literals"])
+    return {"namespace": kustomization["namespace"], **values}
+
+
+def test_the_settings_are_one_value_each(tmp_path: Path) -> None:
+    """The namespace, the release label and the runbook URL, each changed in its one
+    place (deploy/kubernetes/kustomization.yaml), change everywhere they are rendered,
+    and the old values are gone."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl not installed: `make kubectl` installs it")
+    before = settings()
+    assert before == {"namespace": "hostpool", **SETTINGS}
+    # the rendered folder and what it reads outside itself (../../dashboards)
+    shutil.copytree(KUBE, tmp_path / "deploy" / "kubernetes")
+    shutil.copytree(ROOT / "dashboards", tmp_path / "dashboards")
+    kustomization = tmp_path / "deploy" / "kubernetes" / "kustomization.yaml"
+    text = kustomization.read_text()
+    after = {"namespace": "obs-hostpool", "release": "prom-main",
+             "runbookURL": "https://wiki.internal/hostpool/runbook.html"}  # fmt: skip
+    text = text.replace("namespace: hostpool\n", f"namespace: {after['namespace']}\n")
+    for key in SETTINGS:
+        text = text.replace(f"{key}={before[key]}", f"{key}={after[key]}")
+    kustomization.write_text(text)
+    objects = render(kustomization.parent)
+    for obj in objects:
+        meta = obj["metadata"]
+        if obj["kind"] == "Namespace":
+            assert meta["name"] == after["namespace"]
+        else:
+            assert meta["namespace"] == after["namespace"], (obj["kind"], meta["name"])
+    operator = [o for o in objects if is_operator_kind(o)]
+    assert {o["metadata"]["labels"]["release"] for o in operator} == {after["release"]}
+    (rule,) = by_kind(objects, "PrometheusRule")
+    urls = [r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"]
+            if "alert" in r]  # fmt: skip
+    assert urls and all(u.startswith(after["runbookURL"] + "#") for u in urls), urls
+    rendered = yaml.safe_dump_all(objects)
+    for key, old in before.items():
+        if key != "namespace":  # "hostpool" is in every name
+            assert old not in rendered, key
+    assert "hostpool-settings" not in rendered  # kustomize's own, never applied
+
+
+def runbook_anchors() -> dict[str, set[str]]:
+    """The anchors of docs/runbook.md's headings as MkDocs renders them (Python-Markdown's
+    toc extension, MkDocs' default) and as GitHub does (lower case, punctuation but - and
+    _ dropped, spaces to -)."""
+    import markdown
+
+    text = (ROOT / "docs" / "runbook.md").read_text()
+    md = markdown.Markdown(extensions=["toc"])
+    md.convert(text)
+
+    def ids(tokens: list[dict[str, Any]]) -> set[str]:
+        return {t["id"] for t in tokens} | {i for t in tokens for i in ids(t["children"])}
+
+    headings = re.findall(r"^#+ (.+)$", text, re.M)
+    github = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+    return {"mkdocs": ids(md.toc_tokens), "github": github}
+
+
+def test_every_alert_links_to_its_runbook_section(fleet: list[dict[str, Any]]) -> None:
+    """The rendered rules: the runbook URL setting, then `#` and an anchor that exists in
+    docs/runbook.md, on MkDocs' site and on GitHub alike; the anchor is the alert's name."""
+    base = settings()["runbookURL"]
+    anchors = runbook_anchors()
+    (rule,) = by_kind(fleet, "PrometheusRule")
+    alerts = [r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    assert len(alerts) >= 10
+    for alert in alerts:
+        url = alert["annotations"]["runbook_url"]
+        page, anchor = url.split("#")
+        assert page == base, alert["alert"]
+        assert anchor == alert["alert"].lower()
+        assert anchor in anchors["mkdocs"] and anchor in anchors["github"], alert["alert"]
+
+
+def test_runbook_anchor_check_can_fail() -> None:
+    anchors = runbook_anchors()
+    assert "hostpooltargetdown" in anchors["mkdocs"] and "hostpooltargetdown" in anchors["github"]
+    assert "hostpoolnosuchalert" not in anchors["mkdocs"] | anchors["github"]
+
+
+# ---------------------------------------------------------------- the engine PodMonitor
+
+
+def test_the_engine_podmonitor_keeps_only_hostpools_series(fleet: list[dict[str, Any]]) -> None:
+    (monitor,) = [m for m in by_kind(fleet, "PodMonitor") if m["metadata"]["name"].endswith(
+        "engines")]  # fmt: skip
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["metricRelabelings"] == [
+        {"sourceLabels": ["__name__"], "regex": "hostpool_.*", "action": "keep"}
+    ]
+    # Prometheus anchors the regex: what an engine's /metrics has, kept or not
+    keep = endpoint["metricRelabelings"][0]["regex"]
+    names = {"hostpool_allocated_bytes": True, "hostpool_build_info": True,
+             "vllm:kv_offload_store_bytes_total": False, "process_open_fds": False,
+             "python_gc_objects_collected_total": False, "sglang:num_running_reqs": False,
+             "my_hostpool_x": False}  # fmt: skip
+    assert {n: bool(re.fullmatch(keep, n)) for n in names} == names
+
+
 # ---------------------------------------------------------------- the dashboards
 
 
@@ -254,8 +369,15 @@ def test_exporter_daemonset_reads_the_host_with_the_fewest_capabilities(
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     resources = container["resources"]
     assert set(resources["requests"]) == set(resources["limits"]) == {"cpu", "memory"}
-    tolerated = {t["key"] for t in pod["tolerations"] if t.get("effect") == "NoSchedule"}
-    assert "nvidia.com/gpu" in tolerated
+
+
+def test_exporter_runs_on_every_node_first_in_line(fleet: list[dict[str, Any]]) -> None:
+    """Every taint tolerated (GPU nodes, control planes, NoExecute of a node under
+    pressure), and the priority of a node agent."""
+    (daemonset,) = by_kind(fleet, "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    assert pod["tolerations"] == [{"operator": "Exists"}]
+    assert pod["priorityClassName"] == "system-node-critical"
 
 
 def test_images_are_set_through_kustomize(
@@ -388,6 +510,22 @@ def test_vllm_examples_start_clean_and_hold_what_doctor_sizes(
     assert limits["hugepages-2Mi"] == "64Gi" and limits["memory"] == "52Gi"
 
 
+def test_target_down_waits_out_the_examples_load_window(
+    examples: dict[str, list[dict[str, Any]]],
+) -> None:
+    """HostpoolTargetDown leaves a new target alone for as long as the example's
+    startupProbe lets its model load (the promtool case in metrics/tests/alerts_test.yml
+    shows a 14-minute load not paging)."""
+    rules = yaml.safe_load((ROOT / "metrics" / "alerts.yml").read_text())["groups"][0]["rules"]
+    (down,) = [r for r in rules if r.get("alert") == "HostpoolTargetDown"]
+    # the range of "never up" and the offset of "not there before": one window
+    (window,) = {int(m) for m in re.findall(r"(?:\[|offset )(\d+)m", down["expr"])}
+    for objects in examples.values():
+        (pod,) = pod_specs(objects)
+        probe = pod["containers"][0]["startupProbe"]
+        assert probe["failureThreshold"] * probe["periodSeconds"] <= window * 60
+
+
 def _quantity(text: str) -> float:
     """A Kubernetes quantity as a number (bytes, CPUs)."""
     units = {"m": 1e-3, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
@@ -438,8 +576,8 @@ def test_what_the_image_runs_needs_no_torch() -> None:
     from tests.kubeview import _scrape
 
     for argv in (["shm", "--json"], ["reap", "--min-age", "0"], ["run", "--", "true"],
-                 ["doctor", "--kubernetes", "--", "vllm", "serve", "m", "--kv-offloading-size",
-                  "1"]):  # fmt: skip
+                 ["doctor", "--kubernetes", "--check-host", "--container", "vllm", "--", "vllm",
+                  "serve", "m", "--kv-offloading-size", "1"]):  # fmt: skip
         proc = subprocess.run(
             [sys.executable, "-c", WITHOUT_TORCH, *argv],
             capture_output=True, text=True, timeout=120,
