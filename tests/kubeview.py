@@ -21,10 +21,12 @@ import ctypes
 import json
 import mmap
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -189,10 +191,23 @@ def _aggregate(objects: list[dict[str, Any]]) -> dict[str, list[int]]:
 
 
 def _scrape(argv: list[str]) -> dict[str, list[int]]:
-    """Start the exporter as given (on a free port of 127.0.0.1), scrape it once, as soon as
-    its first log line (`hostpool.exporter_serving`, with the URL) says it serves."""
+    """What the exporter started as given says of the planted engines' objects."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    out: dict[str, list[int]] = {}
+    for family in text_string_to_metric_families(_scrape_text(argv)):
+        at = {"hostpool_host_shm_objects": 0, "hostpool_host_shm_bytes": 1}.get(family.name)
+        for sample in family.samples if at is not None else []:
+            labels = sample.labels
+            if _planted_kind(labels["engine"], labels["kind"]) and sample.value:
+                key = f"{labels['engine']}/{labels['kind']}/{labels['state']}"
+                out.setdefault(key, [0, 0])[at] = int(sample.value)
+    return out
+
+
+def _scrape_text(argv: list[str]) -> str:
+    """Start the exporter as given (on a free port of 127.0.0.1), scrape it once, as soon as
+    its first log line (`hostpool.exporter_serving`, with the URL) says it serves."""
     argv = list(argv)
     argv[argv.index("--port") + 1] = "0"
     argv[argv.index("--host") + 1] = "127.0.0.1"
@@ -209,15 +224,7 @@ def _scrape(argv: list[str]) -> dict[str, list[int]]:
     finally:
         proc.terminate()
         proc.communicate(timeout=30)  # drained: its stop lines must not block it on the pipe
-    out: dict[str, list[int]] = {}
-    for family in text_string_to_metric_families(text):
-        at = {"hostpool_host_shm_objects": 0, "hostpool_host_shm_bytes": 1}.get(family.name)
-        for sample in family.samples if at is not None else []:
-            labels = sample.labels
-            if _planted_kind(labels["engine"], labels["kind"]) and sample.value:
-                key = f"{labels['engine']}/{labels['kind']}/{labels['state']}"
-                out.setdefault(key, [0, 0])[at] = int(sample.value)
-    return out
+    return text
 
 
 def _reachable_by_every_uid() -> None:
@@ -279,6 +286,132 @@ def node(token: str) -> None:
         p.wait()
 
 
+# ---------------------------------------------------------------- a kubelet's node
+#
+#     python tests/kubeview.py kubelet TOKEN WORKDIR   (inside fresh namespaces, as node)
+#
+# A kubelet root (WORKDIR bind-mounted on /var/lib, so /var/lib/kubelet/pods/<uid>/...)
+# with each of two pods' secret and projected token volumes (tmpfs) and, for the first,
+# a Memory emptyDir; a tmpfs /run; the node's /dev/shm with an orphan. Each pod: a
+# process in a cgroup named as kubelet's systemd driver names it, in its own mount
+# namespace with its own /dev/shm holding a file, with a vLLM orphan and an `unknown`
+# orphan beside it; the first pod's also holds a file of its emptyDir, where a vLLM
+# orphan lies too. Then each view asked on stdin, as `node` does ("shm": the objects
+# whose name has TOKEN, "json": the command's document, "series": the exporter's
+# hostpool_host_shm_* series of the two pods), and one JSON document of them all.
+
+KUBELET_PODS = "/var/lib/kubelet/pods"
+
+
+def kubelet_pod(token: str, index: str, empty_dir: str) -> None:
+    """A pod's engine, in its own mount namespace (a copy of the node's): its /dev/shm,
+    and the emptyDir's held file for the first pod."""
+    _mount_tmpfs("/dev/shm")
+    for name in (f"vllm_offload_{token}_{index}.mmap", f"notes_{token}_{index}"):
+        _write(f"/dev/shm/{name}", 0o600)  # the crashed run's; a file nobody names
+    _write(f"/dev/shm/kvcached_{token}_{index}", 0o600)
+    held = [os.open(f"/dev/shm/kvcached_{token}_{index}", os.O_RDWR)]
+    if empty_dir:
+        held.append(os.open(f"{empty_dir}/kvcached_{token}_ed", os.O_RDWR))
+    print("ready", flush=True)
+    signal.pause()
+    del held
+
+
+def _kubelet_volumes(token: str, index: int, uid: str) -> str:
+    """The pod's token volumes (and the first pod's Memory emptyDir, returned; "" for the
+    second), as kubelet mounts them: a tmpfs each."""
+    volumes = f"{KUBELET_PODS}/{uid}/volumes"
+    for kind, name, files in (
+        ("secret", f"token-{index}", (f"tls_{token}_{index}.key", f"psm_{token}_secret{index}")),
+        ("projected", f"kube-api-access-{index}", (f"token_{token}_{index}",)),
+    ):
+        path = f"{volumes}/kubernetes.io~{kind}/{name}"
+        os.makedirs(path)
+        _mount_tmpfs(path)
+        for file in files:
+            _write(f"{path}/{file}", 0o600)
+    if index:
+        return ""
+    path = f"{volumes}/kubernetes.io~empty-dir/cache"
+    os.makedirs(path)
+    _mount_tmpfs(path)
+    _write(f"{path}/vllm_offload_{token}_ed.mmap", 0o600)
+    _write(f"{path}/kvcached_{token}_ed", 0o600)
+    return path
+
+
+def _pod_series(text: str, pods: set[str]) -> dict[str, list[int]]:
+    """'engine/kind/state/area/pod_uid' -> [objects, bytes] of the pods' series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[int]] = {}
+    for family in text_string_to_metric_families(text):
+        at = {"hostpool_host_shm_objects": 0, "hostpool_host_shm_bytes": 1}.get(family.name)
+        for sample in family.samples if at is not None else []:
+            labels = sample.labels
+            if labels["pod_uid"] in pods:
+                key = "/".join(labels[k] for k in ("engine", "kind", "state", "area", "pod_uid"))
+                out.setdefault(key, [0, 0])[at] = int(sample.value)
+    return out
+
+
+def _views(token: str, pods: set[str]) -> dict[str, Any]:
+    """Each view stdin asks for (see above)."""
+    results: dict[str, Any] = {}
+    for line in sys.stdin:
+        label, kind, argv = json.loads(line)
+        if kind == "series":
+            results[label] = _pod_series(_scrape_text(argv), pods)
+            continue
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            results[label] = {"error": proc.stderr[-2000:], "status": proc.returncode}
+            continue
+        doc = json.loads(proc.stdout)
+        if kind == "shm":
+            doc = [o for o in doc["objects"] if token in (o["name"] or "")]
+        results[label] = doc
+    return results
+
+
+def kubelet(token: str, workdir: str) -> None:
+    os.makedirs(f"{workdir}/lib")
+    subprocess.run(["mount", "--bind", f"{workdir}/lib", "/var/lib"], check=True)
+    _mount_tmpfs("/run")
+    _write(f"/run/vllm_offload_{token}_run.mmap", 0o600)  # an engine's name, not its place
+    _mount_tmpfs("/dev/shm")
+    _write(f"/dev/shm/psm_{token}_node", 0o600)  # the node's own orphan
+    uids = [str(uuid.uuid4()) for _ in range(2)]
+    containers = [secrets.token_hex(32) for _ in range(2)]
+    with contextlib.ExitStack() as stack:
+        pods = []
+        for index, (uid, container) in enumerate(zip(uids, containers, strict=True)):
+            empty_dir = _kubelet_volumes(token, index, uid)
+            into = stack.enter_context(pod_cgroup(uid, container))
+            p = subprocess.Popen(
+                ["unshare", "--mount", "--propagation", "private", sys.executable, __file__,
+                 "kubelet-pod", token, str(index), empty_dir],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            stack.callback(p.wait)
+            stack.callback(p.kill)
+            into(p.pid)  # unshare execs python: the same process
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"pod {index} did not start")
+            pods.append(p)
+        results = _views(token, set(uids))
+        results.update(uids=uids, containers=containers, pids=[p.pid for p in pods])
+        for path in (
+            f"/run/vllm_offload_{token}_run.mmap",
+            f"{KUBELET_PODS}/{uids[0]}/volumes/kubernetes.io~secret/token-0/tls_{token}_0.key",
+        ):
+            results.setdefault("present", []).append(os.path.exists(path))
+        print(json.dumps(results), flush=True)
+
+
 if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
-    {"node": node, "pod": pod, "holder": holder}[mode](*rest)
+    {"node": node, "pod": pod, "holder": holder, "kubelet": kubelet,
+     "kubelet-pod": kubelet_pod}[mode](*rest)  # fmt: skip

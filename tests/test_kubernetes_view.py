@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests import kubeview
 from tests.test_kubernetes import KUBE, by_kind, render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,3 +164,79 @@ def test_the_vllm_example_starts_clean() -> None:
     after_init, after_restart = proc.stdout.split("--\n")
     assert after_init.split() == ["notes_of_someone_else"]
     assert after_restart.split() == ["notes_of_someone_else"]
+
+
+def test_a_kubelet_node_says_which_pod_owns_every_byte(tmp_path: Path) -> None:
+    """A node as kubelet lays it out (tests/kubeview.py `kubelet`): two pods' processes in
+    cgroups named as the systemd driver names them, each pod's own /dev/shm, token
+    volumes, a Memory emptyDir, the node's /run and /dev/shm. `shm --json` gives each
+    planted file its area, pod and orphan state; the exporter's per-pod series say the
+    same; `reap --yes --all-namespaces` removes exactly the known engines' orphans, and
+    leaves the `unknown` ones, the token volumes' and /run's files, and what is held."""
+    if kubeview.cgroup_root() is None:
+        pytest.skip("no cgroup hierarchy is mounted")
+    hostpool = [sys.executable, "-m", "hostpool"]
+    exporter = [*hostpool, "exporter", "--node", "--host", "127.0.0.1", "--port", "0"]
+    reap = [*hostpool, "reap", "--yes", "--all-namespaces", "--min-age", "0", "--json"]
+    views = [
+        ["before", "shm", [*hostpool, "shm", "--json"]],
+        ["series", "series", exporter],
+        ["reaped", "json", reap],
+        ["after", "shm", [*hostpool, "shm", "--json"]],
+    ]
+    token = secrets.token_hex(6)
+    proc = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount", "--ipc", "--mount-proc",
+         "--propagation", "private", sys.executable, str(DRIVER), "kubelet", token,
+         str(tmp_path)],
+        input="".join(json.dumps(v) + "\n" for v in views),
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout)
+    (a, b), (ca, cb) = seen["uids"], seen["containers"]
+    for label in ("before", "after", "reaped"):
+        assert "error" not in seen[label], seen[label]
+    # name -> (area, pod_uid, container_id, orphan, the holders' pods)
+    expected = {
+        f"psm_{token}_node": ("dev_shm", None, None, True, []),
+        f"vllm_offload_{token}_0.mmap": ("dev_shm", a, ca, True, []),
+        f"notes_{token}_0": ("dev_shm", a, ca, True, []),
+        f"kvcached_{token}_0": ("dev_shm", a, ca, False, [a]),
+        f"vllm_offload_{token}_1.mmap": ("dev_shm", b, cb, True, []),
+        f"notes_{token}_1": ("dev_shm", b, cb, True, []),
+        f"kvcached_{token}_1": ("dev_shm", b, cb, False, [b]),
+        f"vllm_offload_{token}_ed.mmap": ("empty_dir", a, None, True, []),
+        f"kvcached_{token}_ed": ("empty_dir", a, ca, False, [a]),
+        f"psm_{token}_secret0": ("kubelet_volume", a, None, False, []),
+        f"token_{token}_0": ("kubelet_volume", a, None, False, []),
+        f"tls_{token}_0.key": ("kubelet_volume", a, None, False, []),
+        f"psm_{token}_secret1": ("kubelet_volume", b, None, False, []),
+        f"token_{token}_1": ("kubelet_volume", b, None, False, []),
+        f"tls_{token}_1.key": ("kubelet_volume", b, None, False, []),
+        f"vllm_offload_{token}_run.mmap": ("system", None, None, False, []),
+    }
+
+    def described(objects: list[dict[str, Any]]) -> dict[str, tuple[Any, ...]]:
+        return {
+            o["name"].rpartition("/")[2]: (o["area"], o["pod_uid"], o["container_id"],
+                                          o["orphan"], [h["pod_uid"] for h in o["holders"]])
+            for o in objects
+        }  # fmt: skip
+
+    assert described(seen["before"]) == expected
+    # the exporter's series of the two pods: what shm --json says of their objects
+    aggregate: dict[str, list[int]] = {}
+    for o in seen["before"]:
+        if o["pod_uid"] in (a, b):
+            state = "orphaned" if o["orphan"] else "held"
+            key = "/".join([o["engine"], o["kind"], state, o["area"] or "", o["pod_uid"]])
+            count, size = aggregate.get(key, [0, 0])
+            aggregate[key] = [count + 1, size + o["resident_bytes"]]
+    assert seen["series"] == aggregate
+    assert seen["series"][f"vllm/file/orphaned/empty_dir/{a}"] == [1, 1 << 20]
+    # the known engines' orphans went; nothing else
+    reaped = {f"psm_{token}_node", f"vllm_offload_{token}_0.mmap",
+              f"vllm_offload_{token}_1.mmap", f"vllm_offload_{token}_ed.mmap"}  # fmt: skip
+    assert described(seen["after"]) == {k: v for k, v in expected.items() if k not in reaped}
+    assert seen["present"] == [True, True]  # /run's file and a token, read back by path
