@@ -52,10 +52,11 @@ EPILOGS = {
         "could not run here); 2 the input is wrong (a bad flag or engine name)"
     ),
     "reap": (
-        "exit status: 0 ok (done, or nothing to do; an object a process took since the scan "
-        "is kept, not a failure); 1 the input is right but this host cannot do it now (a "
-        "candidate could not be removed); 2 the input is wrong (a bad duration, an unknown "
-        "engine, a --dir that is not a directory on tmpfs)"
+        "exit status: 0 ok (done, or nothing to do; an object a process holds now is kept, "
+        "not a failure); 1 the input is right but this host cannot do it now (a candidate "
+        "could not be removed, or the kernel could not prove it unheld: kept_unprovable); "
+        "2 the input is wrong (a bad duration, an unknown engine, a --dir that is not a "
+        "directory on tmpfs)"
     ),
 }
 
