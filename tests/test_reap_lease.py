@@ -166,8 +166,10 @@ def test_an_o_path_fd_is_not_seen_by_the_lease_but_by_the_walk() -> None:
 
 
 def test_a_holder_in_another_pid_namespace_keeps_it_from_a_reaper_that_cannot_see_it() -> None:
-    """A pod without hostPID: the reaper's /proc shows only its own PID namespace."""
-    with planted_orphan() as (pid, path, _st), driven(path, "open"):
+    """A pod without hostPID: the reaper's /proc shows only its own PID namespace, the
+    holder lives in another (a child PID namespace of ours)."""
+    pidns = ("unshare", "--pid", "--fork", "--kill-child")
+    with planted_orphan() as (pid, path, _st), driven(path, "open", prefix=pidns):
         out = blind(pid, "reap", "--yes", "--min-age", "0", "--dir", "/dev/shm", "--json")
         assert out.returncode == 0, out.stdout + out.stderr
         assert os.path.exists(path)
@@ -375,6 +377,21 @@ def test_the_last_link_frees_its_pages() -> None:
 
 
 # -- reach: what the operator asked ------------------------------------------------------
+
+
+def test_reap_reaches_only_its_own_mount_namespace_by_default() -> None:
+    """A dry run over the whole host: another namespace's orphan is left alone, and
+    named why."""
+    with planted_orphan() as (_pid, path, _st):
+        out = hostpool("reap", "--json", "--min-age", "0")
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)
+        assert path not in [o["path"] for o in doc["objects"]]
+        [mine] = [s for s in doc["skipped"] if s["path"] == path]
+        assert mine["reason"] == "another mount namespace (--all-namespaces)"
+        wide = json.loads(hostpool("reap", "--json", "--min-age", "0", "--all-namespaces").stdout)
+        assert path in [o["path"] for o in wide["objects"]] and wide["dry_run"]
+        assert os.path.exists(path)
 
 
 def test_another_mount_namespace_only_with_all_namespaces() -> None:
