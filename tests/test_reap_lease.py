@@ -344,6 +344,45 @@ def test_a_holder_after_the_walk_keeps_it(commands: tuple[str, ...], then: tuple
         assert os.path.exists(path)
 
 
+def test_an_opener_during_the_unlink_waits_for_the_release_and_costs_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process that opens the file while the reaper holds its lease blocks until the
+    release (the kernel breaks the lease; its signal must not kill the reaper), then
+    holds the unlinked inode: the name went, no bytes are counted freed."""
+    with planted_orphan() as (_pid, path, st):
+        obj = scanned(st)
+        real_unlink = os.unlink
+        opener: list[subprocess.Popen[str]] = []
+        code = "import os, sys; print(os.fstat(os.open(sys.argv[1], os.O_RDONLY)).st_nlink)"
+
+        def unlink_once_an_opener_waits(name: str, *, dir_fd: int) -> None:
+            opener.append(subprocess.Popen([PY, "-c", code, path], stdout=subprocess.PIPE,
+                                           text=True))  # fmt: skip
+            _wait_for_a_lease_break(st.st_ino)
+            real_unlink(name, dir_fd=dir_fd)
+
+        monkeypatch.setattr(lease.os, "unlink", unlink_once_an_opener_waits)
+        result = reaped(obj)
+        monkeypatch.undo()
+        [proc] = opener
+        out, _ = proc.communicate(timeout=TIMEOUT)
+        assert proc.returncode == 0 and out.strip() == "0"  # it opened the unlinked inode
+        assert (result.outcome, result.freed_bytes) == ("unlinked", 0), result
+        assert "opened while it was removed" in result.detail and not os.path.exists(path)
+
+
+def _wait_for_a_lease_break(ino: int) -> None:
+    """Until /proc/locks shows the lease on inode `ino` breaking (an opener waits on it)."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        with open("/proc/locks") as f:
+            if any("BREAKING" in line and f":{ino} " in line for line in f):
+                return
+        time.sleep(0.01)
+    raise AssertionError("no opener broke the lease")
+
+
 # -- what is not proof of age or of bytes ------------------------------------------------
 
 
