@@ -25,6 +25,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -286,6 +287,36 @@ def node(token: str) -> None:
         p.wait()
 
 
+@contextlib.contextmanager
+def serving(text: str) -> Iterator[str]:
+    """`text` served as a metrics page on a free port of 127.0.0.1 (a scrape target for a
+    test's Prometheus: what an exporter answered once, kube-state-metrics' stand-in);
+    yields `host:port`."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    body = text.encode()
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass  # no line per scrape on stderr
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
 # ---------------------------------------------------------------- a kubelet's node
 #
 #     python tests/kubeview.py kubelet TOKEN WORKDIR   (inside fresh namespaces, as node)
@@ -362,7 +393,8 @@ def _views(token: str, pods: set[str]) -> dict[str, Any]:
     for line in sys.stdin:
         label, kind, argv = json.loads(line)
         if kind == "series":
-            results[label] = _pod_series(_scrape_text(argv), pods)
+            text = _scrape_text(argv)
+            results[label] = {"pods": _pod_series(text, pods), "text": text}
             continue
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:

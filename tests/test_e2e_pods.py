@@ -11,18 +11,15 @@ import os
 import secrets
 import shutil
 import subprocess
-import threading
 import uuid
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests import dashboard_lint, exporting, helpers, waiting
 from tests.helpers import prometheus_api
-from tests.kubeview import cgroup_root, pod_cgroup
+from tests.kubeview import cgroup_root, pod_cgroup, serving
 
 ROOT = Path(__file__).resolve().parents[1]
 RULE = "instance_pod_engine_area_state:hostpool_host_shm_bytes:sum"
@@ -52,21 +49,6 @@ sys.stdin.read()
 """
 
 
-class _PodInfo(BaseHTTPRequestHandler):
-    """kube-state-metrics' `kube_pod_info` for the pod (and one of another node)."""
-
-    body = b""
-
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.end_headers()
-        self.wfile.write(self.body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """(Prometheus' base URL, the pod's uid), once the rule has named the pod."""
@@ -76,10 +58,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
         f'kube_pod_info{{namespace="ml",pod="vllm-0",uid="{uid}",node="n1"}} 1\n'
         f'kube_pod_info{{namespace="web",pod="nginx-1",uid="{uuid.uuid4()}",node="n2"}} 1\n'
     )
-    handler = type("Handler", (_PodInfo,), {"body": info.encode()})
-    ksm = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=ksm.serve_forever, daemon=True).start()
     with (
+        serving(info) as ksm,
         pod_cgroup(uid, "ef" * 32) as into_pod,
         subprocess.Popen(
             ["unshare", "--mount", "--propagation", "private", "sh", "-c", POD, "sh", token],
@@ -101,7 +81,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
                 "scrape_configs:\n"
                 f"  - job_name: hostpool-node\n    static_configs: [{{targets: ['{target}']}}]\n"
                 "  - job_name: kube-state-metrics\n    honor_labels: true\n"
-                f"    static_configs: [{{targets: ['127.0.0.1:{ksm.server_port}']}}]\n"
+                f"    static_configs: [{{targets: ['{ksm}']}}]\n"
             )
             with helpers.prometheus(config, tmp) as (prom, base):
 
@@ -117,8 +97,6 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
         finally:
             pod.stdin.close()
             exporter.stop()
-            ksm.shutdown()
-            ksm.server_close()
 
 
 def _series(base: str, query: str) -> list[dict[str, str]]:

@@ -4,6 +4,7 @@ into real cgroups named as the systemd driver names them, scanned by `scan_host`
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -11,6 +12,7 @@ import secrets
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -135,6 +137,14 @@ def test_holders_carry_their_pod_and_an_object_the_pod_they_agree_on() -> None:
         assert shared.as_json()["holders"][0]["pod_uid"] in (UID, other_uid)
 
 
+@contextlib.contextmanager
+def _removed_after(path: Path) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        path.unlink()
+
+
 NAMESPACE = """
 set -e
 mount -t tmpfs -o size=1m tmpfs /dev/shm
@@ -152,7 +162,10 @@ def test_unheld_files_belong_to_their_volume_or_their_namespace(tmp_path: Path) 
     """A container's own /dev/shm (in its mount namespace only) is its pod's and container's;
     a kubelet volume of another pod mounted there is that pod's, by its path."""
     token, volume_uid = secrets.token_hex(6), str(uuid.uuid4())
+    covered = Path(f"/dev/shm/vllm_offload_{token}_node.mmap")  # the node's, no pod's
+    covered.write_bytes(b"\1" * 4096)
     with (
+        _removed_after(covered),
         pod_cgroup(UID, CID) as into_pod,
         subprocess.Popen(
             ["unshare", "--mount", "--propagation", "private",
@@ -168,6 +181,8 @@ def test_unheld_files_belong_to_their_volume_or_their_namespace(tmp_path: Path) 
         finally:
             proc.stdin.close()
     offload, secret = objects[f"vllm_offload_{token}.mmap"], objects[f"token_{token}"]
+    # the node's /dev/shm, which the container's namespace shows covered by its own
+    assert objects[covered.name].pod_uid is None
     assert offload.orphan and not offload.holders
     assert (offload.pod_uid, offload.container_id) == (UID, CID)
     assert (secret.pod_uid, secret.container_id) == (volume_uid, None)

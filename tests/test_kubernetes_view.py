@@ -22,8 +22,9 @@ from typing import Any
 
 import pytest
 
-from tests import kubeview
+from tests import helpers, kubeview
 from tests.test_kubernetes import KUBE, by_kind, render
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "kubeview.py"
@@ -233,10 +234,49 @@ def test_a_kubelet_node_says_which_pod_owns_every_byte(tmp_path: Path) -> None:
             key = "/".join([o["engine"], o["kind"], state, o["area"] or "", o["pod_uid"]])
             count, size = aggregate.get(key, [0, 0])
             aggregate[key] = [count + 1, size + o["resident_bytes"]]
-    assert seen["series"] == aggregate
-    assert seen["series"][f"vllm/file/orphaned/empty_dir/{a}"] == [1, 1 << 20]
+    assert seen["series"]["pods"] == aggregate
+    assert seen["series"]["pods"][f"vllm/file/orphaned/empty_dir/{a}"] == [1, 1 << 20]
     # the known engines' orphans went; nothing else
     reaped = {f"psm_{token}_node", f"vllm_offload_{token}_0.mmap",
               f"vllm_offload_{token}_1.mmap", f"vllm_offload_{token}_ed.mmap"}  # fmt: skip
     assert described(seen["after"]) == {k: v for k, v in expected.items() if k not in reaped}
     assert seen["present"] == [True, True]  # /run's file and a token, read back by path
+    if shutil.which("prometheus") is not None:
+        alerted_as_exported(seen["series"]["text"], tmp_path)
+
+
+def alerted_as_exported(text: str, tmp_path: Path) -> None:
+    """The shipped alert rules on a real Prometheus, over what the node's exporter
+    answered: HostpoolOrphanedShm pending for each known engine with orphans in the
+    series (the pods' vllm, the node's python), for none of the `unknown` ones."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    orphaned = {
+        s.labels["engine"]
+        for family in text_string_to_metric_families(text)
+        if family.name in ("hostpool_host_shm_bytes", "hostpool_host_hugetlb_bytes")
+        for s in family.samples
+        if s.labels["state"] == "orphaned" and s.value > 0
+    }
+    assert {"vllm", "python", "unknown"} <= orphaned
+    shutil.copy(ROOT / "metrics" / "alerts.yml", tmp_path / "alerts.yml")
+    config = tmp_path / "prometheus.yml"
+    with kubeview.serving(text) as target:
+        config.write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\nrule_files: [alerts.yml]\n"
+            "scrape_configs: [{job_name: hostpool-node, "
+            f"static_configs: [{{targets: ['{target}']}}]}}]\n"
+        )
+        with helpers.prometheus(config, tmp_path) as (prom, base):
+
+            def pending() -> set[str] | None:
+                try:
+                    alerts = helpers.prometheus_api(base, "alerts")["alerts"]
+                except (OSError, AssertionError):
+                    return None  # not listening yet
+                engines = {a["labels"]["engine"] for a in alerts
+                           if a["labels"]["alertname"] == "HostpoolOrphanedShm"}  # fmt: skip
+                return engines or None
+
+            engines = wait_for(pending, "HostpoolOrphanedShm pending", alive=prom, interval=0.5)
+    assert engines == orphaned - {"unknown"}

@@ -15,7 +15,8 @@ volume's path, and the mount namespaces that show a mount.
 - A mount: `<kubelet root>/pods/<uid>/volumes/<plugin>/<name>` (secret, projected,
   configMap, downward-API and Memory emptyDir tmpfs volumes; any kubelet root: only the
   `/pods/<uid>/volumes/` part is matched), else the pod of the processes whose mount
-  namespace shows it (a container's /dev/shm, reached only through its namespace).
+  namespace shows it where it is not covered by another mount (a container's /dev/shm,
+  reached only through its namespace; not the node's /dev/shm its own one covers).
 - An object: its holders' pod where they all agree; an unheld file's (or one whose holders
   are in no pod), its mount's. Holders of different pods, or several sources that
   disagree: no pod (None), never a guess; `container_id` likewise, on its own (a pod's
@@ -156,11 +157,12 @@ class Pods:
             except OSError:
                 continue
             member = self.of_pid(pid)
+            root = "" if name == "self" else f"{self._proc}/{pid}/root"
             for e in entries:
                 volume = kubelet_volume(e.mountpoint)
                 if volume is not None:
                     by_path.setdefault(e.st_dev, []).append(PodRef(volume.pod_uid, None))
-                elif member.pod_uid is not None:
+                elif member.pod_uid is not None and _shows(root + e.mountpoint, e.st_dev):
                     by_member.setdefault(e.st_dev, []).append(member)
         for dev, refs in by_member.items():
             self._by_dev[dev] = _agreed(refs)
@@ -188,6 +190,15 @@ class Pods:
         return dataclasses.replace(
             obj, holders=holders, pod_uid=ref.pod_uid, container_id=ref.container_id
         )
+
+
+def _shows(path: str, dev: int) -> bool:
+    """Whether `path` reaches the mount `dev` (not one covered by a later mount: the
+    node's /dev/shm under a container's own)."""
+    try:
+        return os.stat(path).st_dev == dev
+    except OSError:
+        return False
 
 
 def _placed(holder: Holder, ref: PodRef) -> Holder:
