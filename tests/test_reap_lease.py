@@ -19,12 +19,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import pytest
 
-from hostpool.host import lease, reap, scan
-from hostpool.host.model import HostObject
+from hostpool.host import lease, reap, scan, sysv
+from hostpool.host.model import Area, HostObject
 from tests import helpers
 from tests.test_reap import TIMEOUT, hostpool, object_of, orphan_name, plant, private_tmpfs
 
@@ -286,6 +287,16 @@ def test_a_process_the_reaper_may_not_read_keeps_it() -> None:
         assert os.path.exists(path)
 
 
+def test_unreadable_processes_do_not_stop_a_proven_removal() -> None:
+    """Processes the reaper may not read are counted; a file the lease proves unheld is
+    removed all the same (the proof is the kernel's, not /proc's)."""
+    with planted_orphan() as (pid, path, st):
+        os.chown(path, NOBODY, NOBODY)
+        report = _as_nobody_in(pid, st)
+        assert report["unreadable"] > 0 and report["outcome"] == "removed", report
+        assert not os.path.exists(path)
+
+
 def test_a_file_the_reaper_may_not_lease_is_kept_unprovable() -> None:
     """Not its owner and no CAP_LEASE: the kernel cannot answer for it; kept, said."""
     with planted_orphan() as (pid, path, st):
@@ -294,7 +305,7 @@ def test_a_file_the_reaper_may_not_lease_is_kept_unprovable() -> None:
         assert os.path.exists(path)
 
 
-def _as_nobody_in(pid: int, st: os.stat_result) -> dict[str, object]:
+def _as_nobody_in(pid: int, st: os.stat_result) -> dict[str, Any]:
     """Scan and reap the planted file as uid 65534 in the mount namespace of `pid` (a
     forked child: it enters the namespace as root, then drops to 65534)."""
     ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
@@ -362,7 +373,7 @@ def test_an_opener_during_the_unlink_waits_for_the_release_and_costs_nothing(
             _wait_for_a_lease_break(st.st_ino)
             real_unlink(name, dir_fd=dir_fd)
 
-        monkeypatch.setattr(lease.os, "unlink", unlink_once_an_opener_waits)
+        monkeypatch.setattr(os, "unlink", unlink_once_an_opener_waits)  # lease's unlink
         result = reaped(obj)
         monkeypatch.undo()
         [proc] = opener
@@ -381,6 +392,20 @@ def _wait_for_a_lease_break(ino: int) -> None:
                 return
         time.sleep(0.01)
     raise AssertionError("no opener broke the lease")
+
+
+def test_ipc_stat_reads_what_proc_sysvipc_shows() -> None:
+    """The segment's key, size and attachments as `shmctl(IPC_STAT)` reads them (the
+    struct layout) agree with /proc/sysvipc/shm, attached and not."""
+    with helpers.sysv_segment(1 << 20, 4096) as shmid:
+        for attached in (False, True):
+            with helpers.sysv_attached(shmid) if attached else nullcontext():
+                now = lease.segment_now(shmid)
+                [listed] = [g for g in sysv.read_segments() if g.shmid == shmid]
+                assert now is not None
+                assert (now.key, now.size, now.nattch) == (listed.key, 1 << 20, int(attached))
+                assert now.changed == listed.changed
+    assert lease.segment_now(shmid) is None  # gone
 
 
 # -- what is not proof of age or of bytes ------------------------------------------------
@@ -453,7 +478,7 @@ def test_another_mount_namespace_only_with_all_namespaces() -> None:
     [("kubelet_volume", "kubelet_volume files are never reaped"),
      ("system", "system files are never reaped"), (None, "area unknown")],
 )  # fmt: skip
-def test_unknown_is_never_reaped_outside_orphan_areas(area: str | None, reason: str) -> None:
+def test_unknown_is_never_reaped_outside_orphan_areas(area: Area | None, reason: str) -> None:
     """A service-account token in a projected volume, a file in /run: whatever the
     flags."""
     with planted_orphan() as (_pid, _path, st):
