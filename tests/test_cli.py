@@ -173,6 +173,9 @@ def test_no_parser_takes_an_abbreviated_long_option() -> None:
         (["doctor", "--kubernetes", "--container", "x", "--engine-mem=4GiB", "--", "vllm"],
          "hostpool doctor: unknown option --engine-mem (did you mean --engine-memory?)"),
         (["shm", "--zzzzzz"], "hostpool shm: unknown option --zzzzzz (see hostpool shm --help)"),
+        (["--verison"], "hostpool: unknown option --verison (did you mean --version?)"),
+        (["--log-levl", "debug", "shm"],
+         "hostpool: unknown option --log-levl (did you mean --log-level?)"),
     ],
 )  # fmt: skip
 def test_an_unknown_option_names_its_subcommand_and_the_closest_flag(

@@ -105,6 +105,23 @@ def test_too_few_hugepages_reserved_is_1() -> None:
         ["exporter", "--match", "x", "--bogus"],
         ["inspect", "--bogus"],
         ["doctor", "--need", "lots"],
+        [
+            "doctor",
+            "--kubernetes",
+            "--container",
+            "vllm",
+            "--engine-memory",
+            "48",
+            "--",
+            "vllm",
+            "serve",
+            "m",
+            "--kv-offloading-size",
+            "1",
+        ],  # no unit: did you mean 48GiB?
+        ["doctor", "--kubernetes", "--", "vllm", "serve", "m", "--kv-offloading-size", "1"],
+        ["reap", "--y"],  # no abbreviation of --yes
+        ["shm", "--jsn"],
         ["run", "--only", "nosuchserver", "--", "true"],
         ["serve", "--no-port-check"],  # goes with --check only
     ],

@@ -47,13 +47,22 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["allow_abbrev"] = False
         super().__init__(*args, **kwargs)
+        self._argv: list[str] = []  # the top level's command line, for error()
 
     def error(self, message: str) -> NoReturn:
+        # `hostpool --verison`: the unknown option, not the subcommand it then lacks
+        for arg in self._argv:
+            if arg in SUBCOMMANDS:
+                break
+            if arg.startswith("--") and arg.split("=", 1)[0] not in self._option_string_actions:
+                self.unknown([arg])
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
+        if self.prog == "hostpool":
+            self._argv = list(sys.argv[1:] if args is None else args)
         parsed, extras = super().parse_known_args(args, namespace)
         if extras and self.prog == "hostpool":  # the top level: say whose flag it is not
             chosen = _subparser(self, getattr(parsed, "command", None))
