@@ -260,7 +260,8 @@ def test_a_file_off_tmpfs_is_refused(tmp_path: Path) -> None:
     path = str(tmp_path / orphan_name())
     st = plant(path)
     fake = HostObject("file", os.path.basename(path), path, "vllm", None, st.st_size,
-                      st.st_size, (), True, 3600.0, identity=(st.st_dev, st.st_ino))  # fmt: skip
+                      st.st_size, (), True, 3600.0, identity=(st.st_dev, st.st_ino),
+                      area="dev_shm")  # fmt: skip
     results = reap.reap([fake])
     assert [r.outcome for r in results] == ["failed"]
     assert "tmpfs" in results[0].detail and os.path.exists(path)
@@ -323,7 +324,9 @@ def test_memfds_are_never_candidates_nor_reapable() -> None:
         with pytest.raises(InvalidRequestError, match="memfd"):
             reap.reap(memfds)
         # by its /proc fd link: /proc is not tmpfs, and the link is never followed
-        forged = dataclasses.replace(memfds[0], kind="file", path=f"/proc/{proc.pid}/fd/{fd}")
+        forged = dataclasses.replace(
+            memfds[0], kind="file", path=f"/proc/{proc.pid}/fd/{fd}", area="dev_shm"
+        )
         assert [r.outcome for r in reap.reap([forged])] == ["failed"]
         assert os.stat(f"/proc/{proc.pid}/fd/{fd}").st_size == 65536  # still there
     finally:

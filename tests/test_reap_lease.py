@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from hostpool.errors import InvalidRequestError
 from hostpool.host import lease, reap, scan, sysv
 from hostpool.host.model import Area, HostObject
 from tests import helpers
@@ -489,6 +490,9 @@ def test_unknown_is_never_reaped_outside_orphan_areas(area: Area | None, reason:
         )
         planned = reap.plan(view, everything)
         assert planned.candidates == () and [s.reason for s in planned.skipped] == [reason]
+        with pytest.raises(InvalidRequestError, match="never reaped"):
+            reap.reap([obj])  # whoever planned it
+        assert os.path.exists(_path)
 
 
 # -- the command, and run --reap ---------------------------------------------------------

@@ -245,10 +245,13 @@ def reap(
     checked again against each file's own times. `before_unlink` (a seam for tests) is
     called with each file after its holders were read again, right before its proof.
     InvalidRequestError for an object that is neither a file nor a SysV segment (a
-    memfd is never reaped)."""
+    memfd is never reaped), and for a file outside `ORPHAN_AREAS` (a kubelet volume's,
+    a system tmpfs's, or one whose area is unknown), whoever planned it."""
     for obj in candidates:
         if obj.kind not in ("file", "sysv"):
             raise InvalidRequestError(f"{obj.kind} {obj.name!r} cannot be reaped")
+        if obj.kind == "file" and obj.area not in ORPHAN_AREAS:
+            raise InvalidRequestError(f"{obj.name!r} is in area {obj.area}: never reaped")
     done: dict[int, Result] = {}
     files = [(i, o) for i, o in enumerate(candidates) if o.kind == "file"]
     with TmpfsDirs() as dirs:
