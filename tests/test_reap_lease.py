@@ -422,6 +422,17 @@ def test_a_file_restored_with_old_times_is_young_by_its_ctime() -> None:
         assert os.path.exists(path)
 
 
+def test_reap_yes_leaves_a_restored_file_its_default_min_age() -> None:
+    with planted_orphan() as (pid, path, _st):
+        old = time.time() - 86400
+        os.utime(path, (old, old))
+        out = hostpool("reap", "--json", "--yes", "--dir", f"/proc/{pid}/root/dev/shm")
+        assert out.returncode == 0, out.stderr
+        assert os.path.exists(path)
+        [mine] = [s for s in json.loads(out.stdout)["skipped"] if s["path"] == path]
+        assert mine["reason"] == "younger than --min-age" and mine["age_seconds"] < 600
+
+
 def test_a_hard_link_frees_nothing() -> None:
     with planted_orphan() as (_pid, path, st):
         other = f"{path}.link"
