@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-# The CPU wheel of torch is pinned and installed first, so nothing can pull a CUDA build.
+# hostpool never requires torch (an engine brings its own). The tests and benches do: the
+# CPU wheel is pinned and installed first, so nothing can pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
@@ -12,24 +13,25 @@ SERVE_ARGS ?=
 # in the checkout, so neither a test run nor a bench leaves it in /tmp.
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/torchinductor
 
-.PHONY: run test test-fast lint docs bench soak dashboards prometheus kubectl sglang-libs vllm-venv clean
+.PHONY: run test test-fast lint dist docs bench soak dashboards prometheus kubectl sglang-libs vllm-venv clean
 
 SERVE_STAMP := $(VENV)/.serve-stamp
 
-# What `hostpool serve` needs, and nothing else: CPU torch, then hostpool with its runtime
-# dependencies (venv's own pip builds an editable install; upgrading it costs seconds).
+# What `hostpool serve` needs, and nothing else: hostpool with its runtime dependencies,
+# no torch (venv's own pip builds an editable install; upgrading it costs seconds).
 $(SERVE_STAMP): pyproject.toml setup.py build_support/editable_pth.py hostpool-instrument.pth hostpool/proc/bulkread.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e .
 	touch $(SERVE_STAMP)
 
-# Everything the tests, lint and benchmarks need, on top of the serve install. Not a file
-# prerequisite of it: a venv installed whole before the split stays up to date.
+# Everything the tests, lint and benchmarks need, on top of the serve install: the pinned
+# CPU torch first, then the extras. Not a file prerequisite of the serve install: a venv
+# installed whole before the split stays up to date.
 $(STAMP): pyproject.toml setup.py build_support/editable_pth.py hostpool-instrument.pth requirements/sglang-test.txt hostpool/proc/bulkread.c
 	$(MAKE) --no-print-directory $(SERVE_STAMP)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev,bench]"
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -c <(echo "$(TORCH_SPEC)") -e ".[dev,bench,torch]"
 	# The real sglang for tests/sglang: a pinned closure without sglang's GPU dependencies.
 	$(PY) -m pip install -q --no-deps -c <(echo "$(TORCH_SPEC)") -r requirements/sglang-test.txt
 	touch $(STAMP)
@@ -76,6 +78,12 @@ kubectl:
 # A venv already installed whole serves as it is; a fresh one gets only the serve install.
 run: $(if $(wildcard $(STAMP)),$(STAMP),$(SERVE_STAMP))
 	exec $(VENV)/bin/hostpool serve $(SERVE_ARGS)
+
+# The sdist and the wheel in dist/ (the wheel built from the sdist, as `python -m build`
+# does), their metadata checked; what the Containerfile installs.
+dist: $(STAMP)
+	$(PY) -m build --outdir dist .
+	$(VENV)/bin/twine check --strict dist/*
 
 # HOSTPOOL_LEFTOVER_CHECK=1: the run fails if it left anything in /tmp, /dev/shm or
 # nr_hugepages (tests/conftest.py; other runs only report it).
@@ -130,4 +138,4 @@ dashboards: $(STAMP)
 	$(PY) dashboards/build.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info

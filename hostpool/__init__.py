@@ -1,7 +1,8 @@
 """hostpool: tracked, shared-memory host KV-cache pools for LLM servers.
 
 Names are imported lazily (PEP 562): `import hostpool.testing` or `hostpool.proc.procfs`
-must not pay for torch.
+must not pay for torch. hostpool never installs torch (the engine's environment brings
+its build): the names that hand out tensors raise TorchUnavailableError without it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _EXPORTS = {
     "ConfigError": "hostpool.errors",
     "AllocationError": "hostpool.errors",
     "HugepageUnavailableError": "hostpool.errors",
+    "TorchUnavailableError": "hostpool.errors",
 }
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "LeakReport",
     "MmapHostTensorAllocator",
     "ShmHostTensorAllocator",
+    "TorchUnavailableError",
     "__version__",
     "alloc_mmap",
     "alloc_shm",
@@ -73,6 +76,7 @@ if TYPE_CHECKING:
         HostPoolError,
         HugepageUnavailableError,
         InvalidRequestError,
+        TorchUnavailableError,
     )
     from hostpool.integrations.sglang.rules import get_allocator_type
     from hostpool.integrations.sglang.shapes import alloc_mmap, alloc_shm

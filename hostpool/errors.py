@@ -85,3 +85,10 @@ class UnavailableError(HostPoolError):
 
 class ShareSocketInUseError(ShareError, UnavailableError):
     """A live server already answers at the share socket's path; it is left alone."""
+
+
+class TorchUnavailableError(UnavailableError, ImportError):
+    """A tensor API called where torch cannot be imported. hostpool does not install
+    torch: an engine's environment brings its own build, which hostpool must not replace
+    (`hostpool.require_torch`). An ImportError too, so code that treats torch as optional
+    keeps working; the CLI exits 1 (the environment, not the input, lacks it)."""

@@ -453,17 +453,17 @@ def hostpool(
 
 
 def start_hostpool(
-    log: str, *args: str, url: str, until: str = '/metrics"'
+    log: str, *args: str, url: str, until: str = '/metrics"', python: str = sys.executable
 ) -> tuple[subprocess.Popen[str], str]:
     """`hostpool ARGS` from the repository root, its stderr into `log`, once its log has
     `until` (by default the URL of its /metrics): the process and the first group of the
-    pattern `url` in the log."""
+    pattern `url` in the log. `python`: the interpreter (another venv's)."""
     import re
 
     from tests import waiting
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hostpool", *args],
+        [python, "-m", "hostpool", *args],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=open(log, "w"),  # noqa: SIM115 (the child owns it)
@@ -570,3 +570,19 @@ def sysv_segment(size: int, touched: int) -> Iterator[int]:
         yield shmid
     finally:
         _libc.shmctl(shmid, IPC_RMID, None)
+
+
+def package_sources(tmp_path: Path, *ignore: str) -> Path:
+    """A copy of what a build reads, in `tmp_path`/src (setuptools writes build/ and
+    egg-info next to the sources); `ignore`: patterns left out of the package trees."""
+    import shutil
+
+    root = Path(ROOT)
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "hostpool-instrument.pth",
+                 "README.md"):  # fmt: skip
+        shutil.copy(root / name, source / name)
+    for tree in ("hostpool", "build_support"):
+        shutil.copytree(root / tree, source / tree, ignore=shutil.ignore_patterns(*ignore))
+    return source

@@ -4,7 +4,6 @@ hook at its root, through `editable_wheel._select_strategy`; so does the regular
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,6 +13,7 @@ import pytest
 import setuptools
 
 from build_support import editable_pth
+from tests.helpers import package_sources
 
 ROOT = Path(__file__).resolve().parents[1]
 PTH = "hostpool-instrument.pth"
@@ -25,21 +25,9 @@ def test_the_installed_setuptools_is_one_it_was_read_from() -> None:
     assert not editable_pth.in_range("67.8.0") and not editable_pth.in_range("85.0.0")
 
 
-def _sources(tmp_path: Path, *ignore: str) -> Path:
-    """A copy of what a build reads, in `tmp_path`/src (setuptools writes build/ and
-    egg-info next to the sources); `ignore`: patterns left out of the package trees."""
-    source = tmp_path / "src"
-    source.mkdir()
-    for name in ("pyproject.toml", "setup.py", PTH, "README.md"):
-        shutil.copy(ROOT / name, source / name)
-    for tree in ("hostpool", "build_support"):
-        shutil.copytree(ROOT / tree, source / tree, ignore=shutil.ignore_patterns(*ignore))
-    return source
-
-
 @pytest.mark.slow
 def test_the_wheel_carries_the_hook_at_its_root(tmp_path: Path) -> None:
-    source = _sources(tmp_path, "__pycache__")
+    source = package_sources(tmp_path, "__pycache__")
     out = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
          "-w", str(tmp_path), str(source)],
@@ -57,7 +45,7 @@ def test_the_wheel_carries_the_hook_at_its_root(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_an_editable_wheel_carries_the_hook(tmp_path: Path) -> None:
     # What `pip install -e .` asks setuptools for (PEP 660), from a copy of the sources.
-    source = _sources(tmp_path, "__pycache__", "*.so")
+    source = package_sources(tmp_path, "__pycache__", "*.so")
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     code = f"from setuptools import build_meta; print(build_meta.build_editable({str(out_dir)!r}))"

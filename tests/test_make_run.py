@@ -1,7 +1,8 @@
-"""Issue 36.10: `make run` installs only what `hostpool serve` needs; `make test` and
-`make lint` still install everything (the test, lint and bench tools, the sglang test
-closure). Read from make's own dry run for a venv that does not exist yet, as a fresh
-clone has none."""
+"""Issue 36.10: `make run` installs only what `hostpool serve` needs, and (issue 41) no
+torch: serve's pools are buffers; `make test` and `make lint` still install everything (the
+pinned CPU torch first, the test, lint and bench tools, the sglang test closure). Read from
+make's own dry run for a venv that does not exist yet, as a fresh clone has none; what
+the serve install really holds is tests/test_packaging.py's clean venv."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def dry_run(target: str, venv: Path) -> str:
 
 def test_make_run_installs_serve_only(tmp_path: Path) -> None:
     steps = dry_run("run", tmp_path / "venv")
-    assert "pip install -q -e .\n" in steps and "torch==" in steps
-    assert "[dev" not in steps and "bench]" not in steps and "sglang-test" not in steps
+    assert "pip install -q -e .\n" in steps and "torch" not in steps
+    assert "[dev" not in steps and "bench" not in steps and "sglang-test" not in steps
     assert steps.rstrip().endswith("serve")
 
 
@@ -37,4 +38,7 @@ def test_make_run_installs_serve_only(tmp_path: Path) -> None:
 def test_make_test_and_lint_install_everything(tmp_path: Path, target: str) -> None:
     steps = dry_run(target, tmp_path / "venv")
     assert "pip install -q -e .\n" in steps or "serve-stamp" in steps
-    assert '-e ".[dev,bench]"' in steps and "requirements/sglang-test.txt" in steps
+    assert '-e ".[dev,bench,torch]"' in steps and "requirements/sglang-test.txt" in steps
+    # The pinned CPU wheel goes in before anything that could ask for torch.
+    pinned = steps.index('pip install -q "torch==')
+    assert pinned < steps.index('-e ".[dev,bench,torch]"')

@@ -2,8 +2,8 @@
 until signalled.
 
 Order matters to an operator: the whole configuration is checked (sizes against the
-budget, the host and /dev/shm included) and the port is bound before torch is imported
-or a page is allocated, so every mistake is reported in well under a second. HTTP is
+budget, the host and /dev/shm included) and the port is bound before the allocators are
+imported or a page is allocated, so every mistake is reported in well under a second. HTTP is
 served from the start of populate: /healthz is 200 while the process runs, /readyz 503
 with what is still populating until every pool is, then 200 (both 503 once stopping). A
 stop signal during populate stops it within a span, releases what was made and exits 0
@@ -260,7 +260,7 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
     from hostpool.serve.service import PoolService
 
     http = Listener(sock, web_config=cfg.web)
-    if stop.event.is_set():  # stopped while torch was imported
+    if stop.event.is_set():  # stopped while the modules above were imported
         sock.close()
         events.info("hostpool.serve_stopped")
         return 0
@@ -354,7 +354,7 @@ def _failed(exc: HostPoolError) -> int:
 def _exit_now(code: int) -> NoReturn:
     """Leave the process with `code` once the pools are released and the stop is logged.
 
-    The interpreter's own teardown (module and object clean-up, torch's included) costs
+    The interpreter's own teardown (module and object clean-up, torch's where loaded) costs
     a few hundred ms after the releases and does nothing hostpool needs: the pools, the
     share socket and the host budget's reservation file are released explicitly before
     this point, hostpool registers no atexit hook, and the HTTP thread is joined. So the

@@ -1,26 +1,24 @@
 """Host tensor allocators: the interface sglang's host KV pools use, recorded in the ledger.
 
 An allocator keeps facts and weak references only (its `fds`/`mms` are computed from its
-live regions): dropping the tensors frees the memory, inside a manager or not.
-"""
+live regions): dropping the tensors (or buffers) frees the memory, in a manager or not."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
-import logging
 import mmap
 import time
-import weakref
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-import torch
-
+from hostpool._lazy import require_torch
 from hostpool.base import events
 from hostpool.base.locks import ForkSafeLock
-from hostpool.core.budget import Admission, Reservation, register_admission
+from hostpool.core.budget import Admission, Reservation, process_admission
 from hostpool.core.ledger import Ledger, get_ledger
+from hostpool.core.ledger_events import emit_alloc
 from hostpool.core.records import capture_stack
-from hostpool.core.requests import check_device, request_bytes
+from hostpool.core.requests import buffer_bytes, check_device, request_bytes
 from hostpool.errors import AllocationError, ConfigError, HostPoolError, InvalidRequestError
 from hostpool.memory.create import backend_of, create_region, plan_fallback
 from hostpool.memory.holders import tensor_over
@@ -30,25 +28,17 @@ from hostpool.memory.options import RegionOptions, validate_pool_name
 from hostpool.memory.region import Region
 from hostpool.words import AllocatorKind
 
+if TYPE_CHECKING:  # torch is imported where a tensor is made (hostpool never installs it)
+    import torch
+
 _allocator_ids = itertools.count(1)
-_process_admissions: weakref.WeakKeyDictionary[Ledger, Admission] = weakref.WeakKeyDictionary()
-_process_admissions_lock = ForkSafeLock()
-
-
-def process_admission(ledger: Ledger) -> Admission:
-    """The admission of allocators outside any manager: no configured budget, but what
-    the kernel would refuse later (MemAvailable, the cgroup) is refused now, typed."""
-    with _process_admissions_lock:
-        admission = _process_admissions.get(ledger)
-        if admission is None:
-            admission = Admission(None, ledger.held_bytes, kernel_reason="no_memory")
-            _process_admissions[ledger] = admission
-            register_admission(ledger, admission)
-        return admission
+_M = TypeVar("_M")  # what an allocator hands out: a tensor or a buffer
 
 
 class HostTensorAllocator:
-    """Makes host tensors of one pool; every region is recorded in the process ledger.
+    """Makes host tensors (or torch-free buffers: `allocate_buffer`) of one pool; every
+    region is recorded in the process ledger. Only the tensor methods import torch
+    (TorchUnavailableError without it).
 
     By default the tensors own their memory: dropping one frees its region, a `tensor`
     release. With `retain=True` (what a server's pool allocator is: sglang's) the allocator
@@ -71,7 +61,7 @@ class HostTensorAllocator:
         **options: Any,
     ) -> None:
         self.pool = validate_pool_name(pool)
-        self._retained: list[torch.Tensor] | None = [] if retain else None
+        self._retained: list[Any] | None = [] if retain else None  # tensors or buffers
         if region_options is not None and options:
             raise InvalidRequestError(
                 f"pass options as region_options or as keywords, not both: {sorted(options)}"
@@ -93,19 +83,40 @@ class HostTensorAllocator:
     def allocate(self, dims: Any, dtype: torch.dtype, device: Any = "cpu") -> torch.Tensor:
         """A tensor of `dims`/`dtype` over fresh, populated host memory."""
         tensor, _region = self.allocate_region(dims, dtype, device)
+        return self._retain(tensor)
+
+    def allocate_buffer(self, nbytes: int) -> ctypes.Array[ctypes.c_ubyte]:
+        """`nbytes` of fresh, populated host memory as a writable ctypes byte array, without
+        torch: the region's holder, which owns the memory as a tensor over it would
+        (dropped, it frees the region; `memoryview(buffer)` reads and writes it). Released
+        by `release(buffer)`; raises what `allocate()` raises (TorchUnavailableError only
+        for the `torch` kind, whose memory is torch's)."""
+        if self.kind == "torch":
+            require_torch(f"{type(self).__name__}.allocate_buffer")
+        started = time.perf_counter()
+        try:
+            nbytes = buffer_bytes(nbytes)
+        except HostPoolError as exc:
+            self.count_failure(exc, started)
+            raise
+        holder, _region = self._allocate_holder(nbytes, (nbytes,), "uint8", started)
+        return self._retain(holder)
+
+    def _retain(self, memory: _M) -> _M:
         if self._retained is not None:
             with self._commit_lock:
                 if not self._closed and self._retained is not None:
-                    self._retained.append(tensor)
-        return tensor
+                    self._retained.append(memory)
+        return memory
 
-    def release(self, tensor: torch.Tensor) -> bool:
-        """Release the one region `tensor` lives in (a pool shrinking, a churned buffer).
+    def release(self, tensor: Any) -> bool:
+        """Release the one region `tensor` (a tensor, or a buffer of `allocate_buffer`)
+        lives in (a pool shrinking, a churned buffer).
 
         Returns True when it is unmapped now, False when other views still hold it.
-        Raises InvalidRequestError for a tensor this allocator did not make.
+        Raises InvalidRequestError for memory this allocator did not make.
         """
-        address = int(tensor.data_ptr())
+        address = _address_of(tensor)
         for region in self._ledger.regions(owner=self._id):
             start = region.facts.address
             end = start + max(region.facts.mapped_bytes, 1)
@@ -115,7 +126,7 @@ class HostTensorAllocator:
                     # Released first, then our reference to the region (a view may start
                     # anywhere inside it) dropped, so nothing of ours keeps it mapped.
                     self._retained = [
-                        t for t in self._retained if not start <= int(t.data_ptr()) < end
+                        t for t in self._retained if not start <= _address_of(t) < end
                     ]
                 return gone
         raise InvalidRequestError(
@@ -165,11 +176,28 @@ class HostTensorAllocator:
     ) -> tuple[torch.Tensor, Region]:
         """`allocate()` that also returns the Region the tensor lives in (its fd and
         mapping), and never retains the tensor. Raises what `allocate()` raises:
-        InvalidRequestError for a bad request, AllocationError when memory is refused."""
+        InvalidRequestError for a bad request, AllocationError when memory is refused,
+        TorchUnavailableError without torch (not counted: no request was made)."""
+        require_torch(f"{type(self).__name__}.allocate (a tensor)")
         started = time.perf_counter()
         try:
-            check_device(device)
             shape, nbytes = request_bytes(dims, dtype)
+            check_device(device)
+        except HostPoolError as exc:
+            self.count_failure(exc, started)
+            raise
+        holder, region = self._allocate_holder(nbytes, shape, dtype, started)
+        tensor = tensor_over(holder, shape, dtype)
+        del holder
+        return tensor, region
+
+    # -- internals -------------------------------------------------------------------
+    def _allocate_holder(
+        self, nbytes: int, shape: tuple[int, ...], dtype: Any, started: float
+    ) -> tuple[Any, Region]:
+        """(holder, Region) of a validated request: admitted, made, recorded; a failure
+        is counted and raised."""
+        try:
             if self._closed:
                 raise InvalidRequestError(f"allocator for pool {self.pool!r} is closed")
             plan = plan_hugepages(
@@ -193,12 +221,9 @@ class HostTensorAllocator:
                 exc.pool = self.pool  # the layers below do not know the pool
             self.count_failure(exc, started)
             raise
-        tensor = tensor_over(holder, shape, dtype)
-        del holder
-        self._emit_alloc(region, seconds)
-        return tensor, region
+        emit_alloc(region, seconds, self.registered_name, self.options.hugepages)
+        return holder, region
 
-    # -- internals -------------------------------------------------------------------
     def _create_admitted(
         self,
         nbytes: int,
@@ -271,39 +296,6 @@ class HostTensorAllocator:
             reason=reason,
             error=str(exc),
             seconds=round(time.perf_counter() - started, 6),
-        )
-
-    def _emit_alloc(self, region: Region, seconds: float) -> None:
-        if not events.stdlib_logger.isEnabledFor(logging.INFO):
-            return  # the common case: nothing listens, build nothing
-        facts = region.facts
-        for reason in facts.hugepage_fallbacks:
-            events.info(
-                "hostpool.hugepage_fallback",
-                pool=facts.pool,
-                reason=reason,
-                bytes=facts.mapped_bytes,
-                hugepages=self.options.hugepages,
-            )
-        events.debug(
-            "hostpool.populate",
-            pool=facts.pool,
-            mode=facts.populate_mode,
-            bytes=facts.mapped_bytes,
-            seconds=round(facts.populate_seconds, 6),
-        )
-        events.debug(  # per allocation: debug (`hostpool.pool_closed` sums a pool up)
-            "hostpool.alloc",
-            pool=facts.pool,
-            allocator=self.registered_name,
-            bytes=facts.mapped_bytes,
-            requested_bytes=facts.requested_bytes,
-            fd=region.fd,
-            name=facts.name,
-            backend=facts.backend,
-            page_size=facts.page_size,
-            populate=facts.populate_mode,
-            seconds=round(seconds, 6),
         )
 
 
@@ -386,6 +378,13 @@ def allocator_class(name: str) -> type[HostTensorAllocator]:
 def create_allocator(name: str, **options: Any) -> HostTensorAllocator:
     """An allocator of a registered type (`shm`, `mmap`, `default`, or registered)."""
     return allocator_class(name)(**options)
+
+
+def _address_of(memory: Any) -> int:
+    """The start address of a tensor or of a ctypes buffer (`allocate_buffer`)."""
+    if isinstance(memory, ctypes.Array):
+        return ctypes.addressof(memory)
+    return int(memory.data_ptr())
 
 
 _pin_warned = False

@@ -117,6 +117,22 @@ def unregister_admission(ledger: Any, admission: Admission) -> None:
         _admissions.get(ledger, weakref.WeakSet()).discard(admission)
 
 
+_process_admissions: weakref.WeakKeyDictionary[Any, Admission] = weakref.WeakKeyDictionary()
+_process_admissions_lock = ForkSafeLock()
+
+
+def process_admission(ledger: Any) -> Admission:
+    """The admission of allocators outside any manager: no configured budget, but what
+    the kernel would refuse later (MemAvailable, the cgroup) is refused now, typed."""
+    with _process_admissions_lock:
+        admission = _process_admissions.get(ledger)
+        if admission is None:
+            admission = Admission(None, ledger.held_bytes, kernel_reason="no_memory")
+            _process_admissions[ledger] = admission
+            register_admission(ledger, admission)
+        return admission
+
+
 def admissions(ledger: Any) -> list[Admission]:
     """The live admissions registered for `ledger`."""
     with _admissions_lock:

@@ -1,4 +1,5 @@
-"""The events of a region's end, emitted in one place for the ledger and the manager:
+"""The events of a region's birth and end, emitted in one place for the allocators, the
+ledger and the manager: `hostpool.alloc`, `hostpool.populate`, `hostpool.hugepage_fallback`;
 `hostpool.release`, `hostpool.leak`, `hostpool.fd_reused`.
 
 Levels: a release its owner asked for (`explicit`) or that came with its tensor
@@ -13,7 +14,44 @@ import logging
 
 from hostpool.base import events
 from hostpool.core.records import LedgerEntry
+from hostpool.memory.region import Region
 from hostpool.words import ReleaseHow
+
+
+def emit_alloc(region: Region, seconds: float, allocator: str, hugepages: str) -> None:
+    """A region's birth: its fallbacks (info), populate and alloc (debug). `allocator`: its
+    registered name; `hugepages`: the option it was asked with; `seconds`: its making."""
+    if not events.stdlib_logger.isEnabledFor(logging.INFO):
+        return  # the common case: nothing listens, build nothing
+    facts = region.facts
+    for reason in facts.hugepage_fallbacks:
+        events.info(
+            "hostpool.hugepage_fallback",
+            pool=facts.pool,
+            reason=reason,
+            bytes=facts.mapped_bytes,
+            hugepages=hugepages,
+        )
+    events.debug(
+        "hostpool.populate",
+        pool=facts.pool,
+        mode=facts.populate_mode,
+        bytes=facts.mapped_bytes,
+        seconds=round(facts.populate_seconds, 6),
+    )
+    events.debug(  # per allocation: debug (`hostpool.pool_closed` sums a pool up)
+        "hostpool.alloc",
+        pool=facts.pool,
+        allocator=allocator,
+        bytes=facts.mapped_bytes,
+        requested_bytes=facts.requested_bytes,
+        fd=region.fd,
+        name=facts.name,
+        backend=facts.backend,
+        page_size=facts.page_size,
+        populate=facts.populate_mode,
+        seconds=round(seconds, 6),
+    )
 
 
 def emit_fd_reused(pool: str, fd: int, name: str | None) -> None:

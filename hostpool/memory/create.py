@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hostpool._lazy import require_torch
 from hostpool.errors import AllocationError, HugepageUnavailableError
 from hostpool.memory import cuda, kernel, populate, shm, syscalls
 from hostpool.memory.holders import holder_over_tensor, holder_type, region_over
@@ -330,8 +331,7 @@ def _create_torch(
     plan: HugepagePlan,
     on_unmapped: Callable[..., None] | None,
 ) -> tuple[Region, Any]:
-    import torch
-
+    torch = require_torch("the `torch` allocator kind (`default`: torch.empty memory)")
     mapped = max(nbytes, 1)
     b.torch_tensor = torch.empty(mapped, dtype=torch.uint8)
     b.holder = holder = holder_over_tensor(b.torch_tensor, mapped)

@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from hostpool._lazy import require_torch
 from hostpool.memory.region import Region, new_region
 
 
@@ -32,8 +33,9 @@ def holder_type(nbytes: int) -> type[ctypes.Array[ctypes.c_ubyte]]:
 
 
 def tensor_over(holder: Any, dims: tuple[int, ...], dtype: Any) -> Any:
-    """A tensor of `dims`/`dtype` over a Region's holder (the tensor keeps it alive)."""
-    import torch
+    """A tensor of `dims`/`dtype` over a Region's holder (the tensor keeps it alive).
+    Raises TorchUnavailableError without torch."""
+    torch = require_torch("a tensor over a host region")
 
     count = math.prod(dims)
     if count == 0:

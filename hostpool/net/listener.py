@@ -35,6 +35,7 @@ from waitress import wasyncore
 from waitress.server import TcpWSGIServer
 
 from hostpool.base import events
+from hostpool.base.versiongate import VersionGate, distribution_version
 from hostpool.errors import ConfigError, UnavailableError
 from hostpool.net.basicauth import BasicAuth
 from hostpool.net.channel import Channel, TLSChannel
@@ -49,6 +50,15 @@ from hostpool.net.guard import (
 from hostpool.net.webconfig import WebConfig
 from hostpool.net.wsgi import WSGIApp
 
+# waitress's internals the guarded server reads. A gate, not a pin (`waitress<4`): an
+# engine's environment may hold another release, which must still install beside hostpool.
+WAITRESS = VersionGate(
+    "waitress",
+    (3, 0),
+    (4,),
+    relies_on="TcpWSGIServer's _map ({fd: channel}), active_channels, trigger, wasyncore.loop",
+    fallback="none: the listener serves as read from 3.x; a changed internal fails at start",
+)
 DEFAULT_CONNECTION_LIMIT = 512
 REQUEST_TIMEOUT = 5.0
 IDLE_TIMEOUT = 30.0
@@ -278,6 +288,7 @@ class Listener:
         threads: int = 4,
         web_config: WebConfig | None = None,
     ) -> None:
+        WAITRESS.check(distribution_version("waitress"))  # one warning outside its range
         self.socket = sock
         self.web_config = web_config
         self.limits = _Limits(

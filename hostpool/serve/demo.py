@@ -1,7 +1,7 @@
 """`--demo-load`: a background workload so every dashboard row has data.
 
 It writes and reads pages of the configured pools, churns allocations in a `demo` pool
-(released explicitly, some dropped with their tensors, and a few leaked on purpose by an
+(released explicitly, some dropped with their buffers, and a few leaked on purpose by an
 owner dropped without close(): the `finalizer` release, the leak signal), and every
 `provoke_every` seconds provokes a hugepage fallback and a refused allocation, so the
 alerts they feed (HostpoolHugepageFallbacks, HostpoolAllocationFailures,
@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import random
 import threading
-
-import torch
+from typing import Any
 
 from hostpool.base import events
 from hostpool.core.allocators import ShmHostTensorAllocator
@@ -44,7 +43,7 @@ class DemoLoad:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hostpool-demo", daemon=True)
         self.cycles = 0
-        self._held: dict[str, list[torch.Tensor]] = {"demo": [], "demo_hugepages": []}
+        self._held: dict[str, list[Any]] = {"demo": [], "demo_hugepages": []}  # buffers
 
     def start(self) -> DemoLoad:
         self._thread.start()
@@ -80,14 +79,14 @@ class DemoLoad:
             fallback.release(held.pop())
         if want <= 64 << 20:  # a counted fallback, never an error; skipped if it would be big
             try:
-                self._held["demo_hugepages"].append(fallback.allocate((want,), torch.uint8))
+                self._held["demo_hugepages"].append(fallback.allocate_buffer(want))
             except HostPoolError as exc:  # e.g. a tight budget: still shows on the dashboard
                 events.info("hostpool.demo", step="fallback", error=str(exc))
         # One refused allocation: more than the host has.
         refused = manager.allocator("demo_refused", "mmap", populate="none")
         total = kernel.meminfo().get("MemTotal", 1 << 40)
         try:
-            refused.allocate((2 * total,), torch.uint8)
+            refused.allocate_buffer(2 * total)
         except HostPoolError as exc:
             events.info("hostpool.demo", step="refused", reason=getattr(exc, "reason", None))
 
@@ -111,16 +110,16 @@ class DemoLoad:
             for chunks in [p.regions for p in list(self.service.pools.values())]:
                 if not chunks:
                     continue
-                t = self.rng.choice(chunks)
-                offset = self.rng.randrange(0, max(1, t.numel() - PAGE)) // PAGE * PAGE
-                t[offset : offset + PAGE].fill_(self.cycles % 251)
-                _ = int(t[offset])
+                with memoryview(self.rng.choice(chunks)).cast("B") as page:
+                    offset = self.rng.randrange(0, max(1, len(page) - PAGE)) // PAGE * PAGE
+                    page[offset : offset + PAGE] = bytes([self.cycles % 251]) * PAGE
+                    _ = page[offset]
             try:
                 n = self.rng.choice((64 << 10, 1 << 20, 4 << 20))
-                t = churn.allocate((n,), torch.uint8)
+                t = churn.allocate_buffer(n)
             except HostPoolError:
                 continue
-            if self.cycles % 3 != 0:  # every third is dropped: it ends with its tensor
+            if self.cycles % 3 != 0:  # every third is dropped: it ends with its buffer
                 kept.append(t)
             del t
             if self.cycles % 9 == 0:
@@ -132,5 +131,5 @@ class DemoLoad:
 def _leak_one(nbytes: int) -> None:
     """A region whose owner is collected without close(): the leak signal, on purpose."""
     owner = ShmHostTensorAllocator("demo", retain=True)
-    owner.allocate((nbytes,), torch.uint8)
+    owner.allocate_buffer(nbytes)
     del owner  # collected with the region it retains: a `finalizer` release

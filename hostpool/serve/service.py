@@ -1,4 +1,7 @@
-"""The pools `hostpool serve` holds: allocated at start, released exactly once at stop."""
+"""The pools `hostpool serve` holds: allocated at start, released exactly once at stop.
+
+A pool is memory, not tensors: each chunk is a buffer (`allocate_buffer`), so serve, and
+everything it shares, runs without torch."""
 
 from __future__ import annotations
 
@@ -7,8 +10,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from hostpool.base import events
 from hostpool.core.allocators import HostTensorAllocator
@@ -24,18 +25,19 @@ Progress = Callable[[str, int, int], None]
 @dataclass
 class ServedPool:
     """One configured pool as serve holds it: its spec (size, allocator, parsed options),
-    its allocator, and its regions' tensors (one per chunk), in allocation order."""
+    its allocator, and its regions' buffers (one per chunk: the ctypes byte arrays of
+    `allocate_buffer`, each owning its mapping), in allocation order."""
 
     spec: PoolSpec
     allocator: HostTensorAllocator
-    regions: list[torch.Tensor] = field(default_factory=list)
+    regions: list[Any] = field(default_factory=list)
 
     def release(self) -> None:
         """Release every region explicitly (newest first); the last view goes with it."""
         while self.regions:
-            tensor = self.regions.pop()
-            self.allocator.release(tensor)
-            del tensor  # the last view: the mapping goes now
+            buffer = self.regions.pop()
+            self.allocator.release(buffer)
+            del buffer  # the last view: the mapping goes now
 
 
 class PoolService:
@@ -75,7 +77,7 @@ class PoolService:
             if stop is not None and stop.is_set():
                 return
             n = min(spec.chunk, spec.size - done)
-            chunks.append(allocator.allocate((n,), torch.uint8))
+            chunks.append(allocator.allocate_buffer(n))
             done += n
             if progress is not None:
                 progress(spec.name, done, spec.size)
@@ -96,7 +98,7 @@ class PoolService:
         return debugdoc.debug_document(self.manager, self.started_at)
 
     def close(self) -> LeakReport:
-        """Release every pool explicitly, then drop the tensors so nothing stays mapped."""
+        """Release every pool explicitly, then drop the buffers so nothing stays mapped."""
         for served in self.pools.values():
             served.release()
         report = self.manager.close()

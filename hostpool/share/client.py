@@ -22,10 +22,9 @@ import struct
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
-import torch
-
+from hostpool._lazy import require_torch
 from hostpool.base.units import format_size
 from hostpool.core.budget import Admission
 from hostpool.errors import AllocationError, InvalidRequestError, ShareError
@@ -34,11 +33,16 @@ from hostpool.memory.holders import tensor_over
 from hostpool.share import access, protocol
 from hostpool.share.deadline import AttachDeadline
 
+if TYPE_CHECKING:  # imported when attach() is called (TorchUnavailableError without)
+    import torch
+
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _PEERCRED = struct.Struct("3i")
 
 
 def _dtype(name: str) -> torch.dtype:
+    import torch  # attach() checked it is there
+
     value = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(value, torch.dtype):
         raise ShareError(f"manifest names an unknown dtype {name!r}")
@@ -129,7 +133,9 @@ def attach(
     Raises InvalidRequestError for bad arguments, and ShareError (hostpool.errors) for
     everything else: nothing listening at `path`, refused, untrusted, too large, unsafe,
     malformed, or past the deadline. A refusal leaves no fd and no mapping behind.
+    TorchUnavailableError (before anything is asked) where torch cannot be imported.
     """
+    require_torch("hostpool.share.attach (tensors over a served pool)")
     limit = _max_bytes(max_bytes)
     trusted = _server_uids(server_uids)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
@@ -362,6 +368,8 @@ class _Plan:
             raise ShareError(
                 f"cannot prefault region {self.name} ({self.nbytes} bytes): {exc.strerror}"
             ) from None
+        import torch  # attach() checked it is there
+
         if not self.writable:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # torch: "buffer is not writable"

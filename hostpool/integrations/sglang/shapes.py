@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import mmap
 import time
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from hostpool.core.allocators import MmapHostTensorAllocator, ShmHostTensorAllocator
 from hostpool.errors import AllocationError
 from hostpool.memory.kernel import failure_from_oserror
+
+if TYPE_CHECKING:  # the allocators import it when called (TorchUnavailableError without)
+    import torch
 
 
 def alloc_shm(
