@@ -155,8 +155,8 @@ class Broker(PoolShareServer):
             pid=peer.pid,
             blocks=adopted,
             discarded=discarded,
-            reason=str(message.get("reason"))[:200],
-            field=str(message.get("field"))[:200],
+            reason=_text(message.get("reason")),
+            field=_text(message.get("field")),
         )
         return [(protocol.encode({"ok": True}), [])]
 
@@ -181,6 +181,11 @@ class Broker(PoolShareServer):
             super()._gone(peer)
         finally:
             self._closing.discard(peer.id)
+
+
+def _text(value: object) -> str | None:
+    """A lessee's free text, bounded (None stays None)."""
+    return None if value is None else str(value)[:200]
 
 
 def _refused(peer: Peer, pool: str, reason: str, **fields: Any) -> Packets:

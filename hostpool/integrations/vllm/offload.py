@@ -1,6 +1,7 @@
 """The offload memory `HostpoolOffloadingSpec` gives vLLM: one worker's hostpool region
-(`HostpoolRegion`), and the worker that copies KV blocks into it with torch index ops
-where vLLM's own worker cannot run (`HostCopyWorker`, e.g. on a CPU platform)."""
+(`HostpoolRegion`) or a lease of the broker's pool (`BrokerRegion`), and the worker that
+copies KV blocks into it with torch index ops where vLLM's own worker cannot run
+(`HostCopyWorker`, e.g. on a CPU platform)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,55 @@ class HostpoolRegion:
         )
 
 
+class BrokerRegion:
+    """One worker's offload memory leased from the broker (`hostpool serve`): the pool's
+    memory mapped side by side, viewed as `num_chunks` rows of `row_bytes`. The broker
+    owns the memory: `release()` drops the view and ends the lease (the memory and what
+    was stored stay with the broker for the next engine). Idempotent."""
+
+    def __init__(self, broker: str, pool: str, num_chunks: int, row_bytes: int) -> None:
+        from hostpool.broker.client import lease
+
+        self.pool = pool
+        self.num_chunks = num_chunks
+        self.row_bytes = row_bytes
+        self.nbytes = num_chunks * row_bytes
+        self.lease = lease(broker, pool)
+        if self.lease.size < self.nbytes:
+            size = self.lease.size
+            self.lease.close()
+            raise ValueError(
+                f"broker pool {pool!r} holds {size} bytes; this worker needs {self.nbytes} "
+                f"({num_chunks} chunks x {row_bytes} bytes, from cpu_bytes_to_use): give the "
+                "pool at least that size (`hostpool serve --pool NAME=SIZE`) or lower "
+                "cpu_bytes_to_use"
+            )
+        flat = torch.frombuffer(self.lease.buffer(), dtype=torch.int8, count=self.nbytes)
+        self.tensor: torch.Tensor | None = flat.view(num_chunks, row_bytes)
+
+    @property
+    def base(self) -> torch.Tensor:
+        if self.tensor is None:
+            raise RuntimeError(f"the lease of broker pool {self.pool!r} has ended")
+        return self.tensor
+
+    def release(self) -> None:
+        """End the lease: unmap once every view of this worker is dropped (the callers'
+        shutdown clears theirs first)."""
+        if self.tensor is None:
+            return
+        self.tensor = None
+        self.lease.close()
+        logger.info(
+            "hostpool: ended the lease of broker pool %s (%d bytes); the broker keeps it",
+            self.pool,
+            self.nbytes,
+        )
+
+
+OffloadMemory = HostpoolRegion | BrokerRegion
+
+
 class HostCopyWorker(OffloadingWorker):
     """Copies KV blocks between the engine's KV cache and a `HostpoolRegion` with torch
     index ops, synchronously (platforms without vLLM's copy kernels, e.g. CPU).
@@ -104,7 +154,7 @@ class HostCopyWorker(OffloadingWorker):
         self,
         kv_caches: CanonicalKVCaches,
         blocks_per_chunk: int,
-        region: HostpoolRegion,
+        region: OffloadMemory,
         on_shutdown: Callable[[], None],
     ) -> None:
         self.blocks_per_chunk = blocks_per_chunk

