@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import glob
 import os
@@ -15,10 +16,16 @@ from tests import helpers
 # What a run must leave as it found it (compared at session end with session start).
 WATCHED_DIRS = ("/tmp", "/dev/shm")
 HUGEPAGE_COUNTS = "/sys/kernel/mm/hugepages/*/nr_hugepages"
-# pytest's per-user directory (a run given no --basetemp elsewhere) and the runtime
-# directories of runs going on beside this one (each run removes its own).
-NOT_LEFTOVERS = ("pytest-of-*", "hostpool-test-runtime-*")
-_before = pytest.StashKey[dict[str, set[str]]]()
+# A new entry there is this run's when it is named as the suite and what it runs name what
+# they make outside tmp_path (docs/testing.md, "What a run leaves"): hostpool's names and
+# the suite's (hostpool*), every engine's in the host view's table (sglang_*, vllm_offload_*,
+# torch_*, psm_*, ...: the tests run and plant them), multiprocessing's semaphores and
+# directories, torch's compile cache. Anything else new was made by another process on
+# the host meanwhile: reported, never failing the run.
+RUN_NAMES = ("hostpool*", "sem.mp-*", "pymp-*", "torchinductor_*")
+# The runtime directories of runs going on beside this one (each run removes its own).
+NOT_LEFTOVERS = ("hostpool-test-runtime-*",)
+_before = pytest.StashKey[dict[str, set[tuple[str, int]]]]()
 _runtime_dir = pytest.StashKey[str]()
 
 
@@ -40,12 +47,69 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.basetemp = os.path.join(runtime, "t")
 
 
-def _state() -> dict[str, set[str]]:
-    state = {d: set(os.listdir(d)) for d in WATCHED_DIRS if os.path.isdir(d)}
+def _state() -> dict[str, set[tuple[str, int]]]:
+    """Per watched directory its entries as (name, inode): a name deleted and made again
+    during the run is new. Per hugepage count file, its value."""
+    state: dict[str, set[tuple[str, int]]] = {}
+    for d in WATCHED_DIRS:
+        if os.path.isdir(d):
+            with os.scandir(d) as entries:
+                state[d] = {(e.name, e.inode()) for e in entries}
     for path in glob.glob(HUGEPAGE_COUNTS):
         with open(path) as f:
-            state[path] = {f.read().strip()}
+            state[path] = {(f.read().strip(), 0)}
     return state
+
+
+def run_names() -> tuple[str, ...]:
+    """The patterns of what this run makes in /tmp and /dev/shm (RUN_NAMES and the
+    engine table's rows)."""
+    from hostpool.host.engines import ENGINE_PATTERNS
+
+    return (*RUN_NAMES, *(row.pattern for row in ENGINE_PATTERNS))
+
+
+def held_outside_the_run(paths: set[str]) -> set[str]:
+    """Those of `paths` that a live process holds (an fd or a mapping) and no process of
+    this run (this one and its descendants): another run's files in use, not ours."""
+    import psutil
+
+    ours = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
+    holders: dict[str, set[int]] = {}
+    for pid in (int(n) for n in os.listdir("/proc") if n.isdigit()):
+        held: set[str] = set()
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            held.update(line.split(None, 5)[-1].strip() for line in maps if "/" in line)
+        for path in held & paths:
+            holders.setdefault(path, set()).add(pid)
+    return {path for path, pids in holders.items() if not pids & ours}
+
+
+def new_entries(
+    before: dict[str, set[tuple[str, int]]], after: dict[str, set[tuple[str, int]]]
+) -> tuple[list[str], list[str]]:
+    """(this run's leftovers, what others made meanwhile): new entries of the watched
+    directories named as this run names things (RUN_NAMES) and not held by a process
+    outside it alone, and any change of a hugepage count (this run's)."""
+    ours, others = [], []
+    patterns = run_names()
+    for where, entries in after.items():
+        if where not in WATCHED_DIRS:
+            if entries != before.get(where):
+                was = {v for v, _ in before.get(where, set())}
+                ours.append(f"{where}: {was} at the start, { ({v for v, _ in entries}) } now")
+            continue
+        for name in sorted({n for n, _ in entries - before.get(where, set())}):
+            if any(fnmatch.fnmatchcase(name, p) for p in NOT_LEFTOVERS):
+                continue
+            mine = any(fnmatch.fnmatchcase(name, p) for p in patterns)
+            (ours if mine else others).append(os.path.join(where, name))
+    theirs = held_outside_the_run(set(ours)) if ours else set()
+    return [p for p in ours if p not in theirs], others + sorted(theirs)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -54,37 +118,29 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.hookimpl(trylast=True)  # after pytest's own tmp_path clean-up
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Report what the run left in /tmp or /dev/shm, or changed in nr_hugepages, that was
+    """Report what this run left in /tmp or /dev/shm, or changed in nr_hugepages, that was
     not so at its start; with HOSTPOOL_LEFTOVER_CHECK=1 (`make test`) the run fails then.
-    Only reported otherwise: on a host where other runs write there at the same time, what
-    they made meanwhile is listed too."""
+    What other processes on the host made meanwhile (`new_entries`) is listed apart and
+    never fails the run."""
     runtime = session.config.stash.get(_runtime_dir, None)
     if runtime is not None:
         shutil.rmtree(runtime, ignore_errors=True)
     before = session.config.stash.get(_before, None)
     if before is None:
         return
-    after = _state()
-    left = []
-    for where, names in after.items():
-        if where in WATCHED_DIRS:
-            new = names - before.get(where, set())
-            left += [
-                os.path.join(where, name)
-                for name in sorted(new)
-                if not any(fnmatch.fnmatch(name, p) for p in NOT_LEFTOVERS)
-            ]
-        elif names != before.get(where):
-            left.append(f"{where}: {before.get(where)} at the start, {names} now")
+    left, others = new_entries(before, _state())
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and others:
+        reporter.write_sep("-", "made meanwhile by other processes (left alone)")
+        for path in others:
+            reporter.write_line(path)
     if not left:
         return
     strict = os.environ.get("HOSTPOOL_LEFTOVER_CHECK") == "1"
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_sep(
             "=",
-            "left behind by this run"
-            + ("" if strict else " (or made meanwhile by others; HOSTPOOL_LEFTOVER_CHECK=1 fails)"),
+            "left behind by this run" + ("" if strict else " (HOSTPOOL_LEFTOVER_CHECK=1 fails)"),
             red=strict,
             yellow=not strict,
         )
