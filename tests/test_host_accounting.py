@@ -6,7 +6,6 @@ unattributed is /proc/meminfo `Shmem`. Root only (SysV, mount namespaces)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from hostpool.host.model import HostObject, HostView
 from hostpool.host.scan import scan_host
@@ -32,14 +31,13 @@ def least_unattributed(tries: int = 3) -> tuple[HostView, int, int]:
     return min(scans, key=lambda s: s[0].totals.unattributed_bytes)
 
 
-def test_the_accounting_closes(root: None, tmp_path: Path, shm_path: str) -> None:
+def test_the_accounting_closes(root: None, shm_path: str) -> None:
     base, _, _ = least_unattributed()
-    mountpoint = tmp_path / "ns"
-    mountpoint.mkdir()
     hostobjects.write_file(shm_path, SIZE)
     with (
         hostobjects.holder(SIZE) as held,
-        hostobjects.private_tmpfs(str(mountpoint), {"orphan": SIZE}) as sleeper,
+        # another namespace's /dev/shm: its files can be orphans (area dev_shm)
+        hostobjects.private_tmpfs("/dev/shm", {"orphan": SIZE}) as sleeper,
     ):
         view, shmem_before, shmem_after = least_unattributed()
         mine = ours(view, held, shm_path, sleeper.pid)
@@ -92,4 +90,5 @@ def ours(view: HostView, held: hostobjects.Held, orphan: str, sleeper: int) -> l
     assert file.path == held.info["path"] and not file.orphan and not memfd.orphan
     assert here.orphan and here.path == orphan and here.holders == ()
     assert there[0].orphan and there[0].name == "orphan" and os.path.exists(there[0].path or "")
+    assert there[0].area == here.area == "dev_shm" and file.area == "dev_shm"
     return [memfd, file, here, sysv, anon[0], there[0]]

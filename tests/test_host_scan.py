@@ -82,25 +82,26 @@ def test_orphans_and_holders_of(root: None, shm_path: str) -> None:
 
 
 def test_another_mount_namespace_is_reached_through_its_root(root: None, tmp_path: Path) -> None:
-    """A private tmpfs bind-mounted twice is one superblock: one mount, one object per
-    file; a file its sleeper holds open is held, the other is an orphan."""
-    mnt, bind = tmp_path / "a", tmp_path / "b"
-    mnt.mkdir()
+    """A private /dev/shm tmpfs, bind-mounted a second time, is one superblock: one mount,
+    one object per file; a file its sleeper holds open is held, the other an orphan."""
+    bind = tmp_path / "b"
     bind.mkdir()
     files = {"held": 5 * PAGE, "lost": 7 * PAGE}
-    with hostobjects.private_tmpfs(str(mnt), files, bind=str(bind), hold="held") as sleeper:
+    with hostobjects.private_tmpfs("/dev/shm", files, bind=str(bind), hold="held") as sleeper:
         prefix = f"/proc/{sleeper.pid}/root"
-        theirs = [m for m in tmpfs_dirs() if m.root.startswith(prefix + str(tmp_path))]
+        dev = os.stat(f"{prefix}/dev/shm").st_dev
+        theirs = [m for m in tmpfs_dirs() if m.st_dev == dev]
         assert len(theirs) == 1 and theirs[0].pid == sleeper.pid
-        assert theirs[0].mountpoint in (str(mnt), str(bind))
+        assert theirs[0].mountpoint in ("/dev/shm", str(bind))
         view = scan_host()
         found = {o.name: o for o in view.objects if o.path and o.path.startswith(prefix)}
         assert set(found) == {"held", "lost"}
         assert found["lost"].orphan and found["lost"].resident_bytes == 7 * PAGE
         assert not found["held"].orphan and found["held"].resident_bytes == 5 * PAGE
         assert [(h.pid, h.fds) for h in found["held"].holders] == [(sleeper.pid, 1)]
+        assert {o.area for o in found.values()} == {"dev_shm"}
         assert os.path.exists(found["lost"].path or "")
-        assert not os.listdir(mnt)  # our namespace sees the empty directory
+        assert not os.listdir(bind)  # our namespace sees the empty directory
 
 
 def test_hugetlb_objects_have_their_own_totals(hugepages_2m: int) -> None:
@@ -217,7 +218,7 @@ def test_the_cli(root: None, shm_path: str) -> None:
     assert set(doc["totals"]) >= {"shmem_bytes", "attributed_bytes", "unattributed_bytes",
                                   "orphaned_bytes"}  # fmt: skip
     for o in doc["objects"]:
-        assert set(o) == KEYS | ({"shmid"} if o["kind"] == "sysv" else set())
+        assert set(o) == KEYS | {"sysv": {"shmid"}, "file": {"links"}}.get(o["kind"], set())
     mine = [o for o in doc["objects"] if o["name"] == "hostpool.kv.1.0"]
     assert [(o["engine"], o["pool"], o["kind"]) for o in mine] == [("hostpool", "kv", "memfd")]
     assert orphans["objects"] and all(

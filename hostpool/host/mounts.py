@@ -6,19 +6,71 @@ that process's root (`/proc/PID/root/<mountpoint>`), or directly in our own name
 superblock seen from several namespaces or bind-mounted twice is one `TmpfsMount` (one
 `st_dev`), walked once; a mount hidden under another mount is reached through another
 namespace that shows it, else not at all (its files are then unattributed).
+
+The area of a file (`area_of`: the one rule, which shm, reap and the exporter read through
+the scan) comes from every mount of its superblock, in any namespace, whose root holds
+it: a kubelet volume's path (`.../pods/<uid>/volumes/kubernetes.io~KIND/<name>`:
+`empty_dir` for `empty-dir`, `kubelet_volume` for any other kind: secret, projected,
+downward-api, configmap), else a namespace's `/dev/shm` or a container runtime's sandbox
+shm (`dev_shm`), else `system`; hugetlbfs is `hugetlbfs`. Where mounts disagree the
+first of that order wins: a superblock that is also a kubelet secret is never an orphan's.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, replace
 from typing import Final
+
+from hostpool.host.model import Area
 
 SHM_FSTYPES: Final = frozenset({"tmpfs", "devtmpfs", "hugetlbfs"})
 _OCTAL: Final = re.compile(r"\\([0-7]{3})")
+# kubelet: <root dir, /var/lib/kubelet by default>/pods/<uid>/volumes/kubernetes.io~KIND/<name>
+_KUBELET_VOLUME: Final = re.compile(r"/pods/[^/]+/volumes/kubernetes\.io~([^/]+)/[^/]+$")
+# a pod sandbox's or container's own /dev/shm tmpfs, as each runtime names its mount point:
+# containerd's CRI (`<state>/io.containerd.grpc.v1.cri/sandboxes/<id>/shm`), docker
+# (`<data-root>/containers/<id>/mounts/shm`), CRI-O and podman
+# (`<root>/<driver>-containers/<id>/userdata/shm`)
+_SANDBOX_SHM: Final = re.compile(
+    r"/io\.containerd\.[^/]*cri[^/]*/sandboxes/[^/]+/shm$"
+    r"|/containers/[0-9a-f]{64}/mounts/shm$"
+    r"|-containers/[0-9a-f]{64}/userdata/shm$"
+)
+# where mounts of one superblock disagree, the first wins (never an orphan first)
+_PRECEDENCE: Final[tuple[Area, ...]] = ("hugetlbfs", "kubelet_volume", "empty_dir", "dev_shm")
+_RANK: Final[dict[Area, int]] = {a: len(_PRECEDENCE) - i for i, a in enumerate(_PRECEDENCE)}
+# (the directory of the filesystem a mount shows, that mount's area)
+View = tuple[str, Area]
+
+
+def mount_area(mountpoint: str, fstype: str) -> Area:
+    """The area a mount gives the files it shows (the module's docstring)."""
+    if fstype == "hugetlbfs":
+        return "hugetlbfs"
+    volume = _KUBELET_VOLUME.search(mountpoint)
+    if volume is not None:
+        return "empty_dir" if volume.group(1) == "empty-dir" else "kubelet_volume"
+    if mountpoint == "/dev/shm" or _SANDBOX_SHM.search(mountpoint):
+        return "dev_shm"
+    return "system"
+
+
+def area_of(views: tuple[View, ...], path: str) -> Area:
+    """The area of the file at `path` (inside its filesystem, from its root: `/a/b`) on
+    a superblock its `views` show: the first, in precedence, of the views whose
+    directory holds it; `system` if none."""
+    best: Area = "system"
+    for root, area in views:
+        if _RANK.get(area, 0) > _RANK.get(best, 0) and (
+            root == "/" or path == root or path.startswith(root + "/")
+        ):
+            best = area
+    return best
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +85,16 @@ class TmpfsMount:
     fstype: str
     pid: int | None
     fs_root: str = "/"  # the directory of the filesystem mounted there (bind mounts)
+    views: tuple[View, ...] = ()  # every mount of the superblock, in any namespace
 
     @property
     def hugetlb(self) -> bool:
         return self.fstype == "hugetlbfs"
+
+    def area(self, name: str) -> Area:
+        """The area of the file `name` (its path below this mount's root)."""
+        base = self.fs_root.rstrip("/")
+        return area_of(self.views, f"{base}/{name}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +163,24 @@ def _ns(pid: int | str) -> str | None:
         return None
 
 
-def tmpfs_mounts(namespaces: Namespaces) -> tuple[list[TmpfsMount], dict[int, str]]:
-    """One reachable TmpfsMount per shared-memory superblock (ours first, then each other
-    namespace's; a whole filesystem before a bind mount of part of it), and the st_dev
-    and fstype of every such mount seen, reachable or not."""
+@dataclass(frozen=True, slots=True)
+class Superblocks:
+    """The shared-memory superblocks of every namespace: one reachable TmpfsMount each
+    (ours first, then each other namespace's; a whole filesystem before a bind mount of
+    part of it), and the fstype and views of every one seen, reachable or not."""
+
+    mounts: list[TmpfsMount]
+    fstypes: dict[int, str]
+    views: dict[int, tuple[View, ...]]
+
+    def area(self, dev: int) -> Area:
+        """The area of a file on `dev` whose path is unknown (unlinked, or on a mount
+        no namespace lets us walk): its superblock's, as any of its mounts says."""
+        return area_of(tuple(("/", area) for _root, area in self.views.get(dev, ())), "/")
+
+
+def superblocks(namespaces: Namespaces) -> Superblocks:
+    """Every namespace's mountinfo read once (see Superblocks)."""
     candidates: list[TmpfsMount] = []
     sources: list[tuple[int | None, str]] = [(None, "/proc/self/mountinfo")]
     sources += [(pid, f"/proc/{pid}/mountinfo") for pid in namespaces.members.values()]
@@ -121,7 +193,11 @@ def tmpfs_mounts(namespaces: Namespaces) -> tuple[list[TmpfsMount], dict[int, st
         for e in entries:
             root = e.mountpoint if pid is None else f"/proc/{pid}/root{e.mountpoint}"
             candidates.append(TmpfsMount(root, e.st_dev, e.mountpoint, e.fstype, pid, e.fs_root))
-    devices = {m.st_dev: m.fstype for m in candidates}
+    fstypes = {m.st_dev: m.fstype for m in candidates}
+    views: dict[int, set[View]] = {}
+    for m in candidates:
+        views.setdefault(m.st_dev, set()).add((m.fs_root, mount_area(m.mountpoint, m.fstype)))
+    frozen = {dev: tuple(sorted(v)) for dev, v in views.items()}
     chosen: dict[int, TmpfsMount] = {}
     for mount in sorted(candidates, key=lambda m: (m.pid is not None, len(m.fs_root))):
         if mount.st_dev in chosen:
@@ -131,8 +207,25 @@ def tmpfs_mounts(namespaces: Namespaces) -> tuple[list[TmpfsMount], dict[int, st
                 continue
         except OSError:
             continue
-        chosen[mount.st_dev] = mount
-    return list(chosen.values()), devices
+        chosen[mount.st_dev] = replace(mount, views=frozen[mount.st_dev])
+    return Superblocks(list(chosen.values()), fstypes, frozen)
+
+
+def pids() -> list[int]:
+    """Every process /proc shows, in pid order."""
+    return sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+
+
+def tmpfs_dirs() -> list[TmpfsMount]:
+    """One reachable mount per tmpfs superblock, of every mount namespace /proc shows
+    (ours first: `/dev/shm`; others through `/proc/PID/root`)."""
+    return [m for m in superblocks(mount_namespaces(pids())).mounts if m.fstype == "tmpfs"]
+
+
+def tmpfs_mounts(namespaces: Namespaces) -> tuple[list[TmpfsMount], dict[int, str]]:
+    """`superblocks`' reachable mounts, and the fstype of every superblock seen."""
+    found = superblocks(namespaces)
+    return found.mounts, found.fstypes
 
 
 # a regular file found on a mount: (its path inside the mount without the leading '/',
@@ -140,51 +233,85 @@ def tmpfs_mounts(namespaces: Namespaces) -> tuple[list[TmpfsMount], dict[int, st
 TmpfsFile = tuple[str, str, os.stat_result]
 
 
-def walk(mount: TmpfsMount) -> Iterator[TmpfsFile]:
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# deeper directories are not walked (their files stay unattributed, the walk incomplete):
+# the walk holds one fd per level of the directory it is in
+MAX_DEPTH: Final = 64
+
+
+def walk(mount: TmpfsMount, skipped: list[OSError]) -> Iterator[TmpfsFile]:
     """Every regular file on `mount` (not below other mounts), through directory fds:
-    symlinks are never followed, a directory or file gone meanwhile is skipped."""
-    try:
-        top = os.open(mount.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+    symlinks are never followed, a directory or file gone meanwhile (ENOENT) is skipped;
+    anything else skipped (EACCES, EMFILE, ELOOP, a directory deeper than MAX_DEPTH) is
+    added to `skipped`. Each directory is listed whole and its listing closed before the
+    walk descends: it holds one fd per level, whatever the tree's width."""
+    top = _open_dir(mount.root, None, skipped)
+    if top is None:
         return
-    stack: list[tuple[int, str]] = [(top, "")]
     root = mount.root.rstrip("/")
+    # the directories being walked, outermost first: (fd, path, subdirectories left)
+    chain: list[tuple[int, str, Iterator[str]]] = []
+    fd: int | None = top
+    rel = ""
     try:
-        while stack:
-            dir_fd, rel = stack.pop()
-            try:
-                yield from _files_in(mount.st_dev, root, dir_fd, rel, stack)
-            finally:
-                os.close(dir_fd)
+        while fd is not None:
+            subdirs = yield from _files_in(mount.st_dev, root, fd, rel, skipped)
+            chain.append((fd, rel, iter(subdirs)))
+            fd = None
+            while chain and fd is None:
+                parent, prel, rest = chain[-1]
+                name = next(rest, None)
+                if name is None:
+                    chain.pop()
+                    os.close(parent)
+                elif len(chain) >= MAX_DEPTH:
+                    skipped.append(OSError(errno.ELOOP, "deeper than MAX_DEPTH", f"{root}/{prel}"))
+                else:
+                    fd = _open_dir(name, parent, skipped)
+                    rel = f"{prel}/{name}" if prel else name
     finally:  # a walk abandoned part way
-        for dir_fd, _rel in stack:
+        for dir_fd, _rel, _rest in chain:
             os.close(dir_fd)
+        if fd is not None:
+            os.close(fd)
+
+
+def _open_dir(name: str, dir_fd: int | None, skipped: list[OSError]) -> int | None:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        skipped.append(exc)
+        return None
 
 
 def _files_in(
-    dev: int, root: str, dir_fd: int, rel: str, stack: list[tuple[int, str]]
-) -> Iterator[TmpfsFile]:
+    dev: int, root: str, dir_fd: int, rel: str, skipped: list[OSError]
+) -> Generator[TmpfsFile, None, list[str]]:
+    """The regular files of one directory; returns its subdirectories' names."""
     try:
-        entries = list(os.scandir(dir_fd))
-    except OSError:
-        return
+        with os.scandir(dir_fd) as listing:
+            entries = list(listing)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        skipped.append(exc)
+        return []
+    subdirs = []
     for entry in entries:
         try:
             st = entry.stat(follow_symlinks=False)
-        except OSError:
+        except FileNotFoundError:
             continue  # gone since the listing
+        except OSError as exc:
+            skipped.append(exc)
+            continue
         if st.st_dev != dev:
             continue  # another mount on top of this directory: walked on its own
         name = f"{rel}/{entry.name}" if rel else entry.name
         if stat.S_ISREG(st.st_mode):
             yield name, f"{root}/{name}", st
         elif stat.S_ISDIR(st.st_mode):
-            try:
-                fd = os.open(
-                    entry.name,
-                    os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                    dir_fd=dir_fd,
-                )
-            except OSError:
-                continue  # gone, or not ours to read: its files stay unattributed
-            stack.append((fd, name))
+            subdirs.append(entry.name)
+    return subdirs

@@ -3,24 +3,30 @@ against /proc/meminfo `Shmem` (`scan_host`); the holders of given objects right 
 (`holders_of`, reap's re-check); the tmpfs mounts of every mount namespace
 (`tmpfs_dirs`).
 
-One scan: the processes' mount namespaces and their tmpfs mounts (`host/mounts`), every
-process's maps and fds through the C loops (`proc/hostread`: objects by inode on the
-shared-memory devices), the files on every tmpfs mount, /proc/sysvipc/shm
-(`host/sysv`). Objects are joined by `(st_dev, st_ino)`; SysV segments by shmid within
-our IPC namespace. Processes gone meanwhile are skipped; those we may not read are
-counted (`HostView.unreadable`).
+One scan: the mount namespaces and their tmpfs mounts (`host/mounts`), every process's
+maps and fds, its threads' own fd tables included (`proc/hostread`), the files on every
+tmpfs mount, /proc/sysvipc/shm (`host/sysv`), joined by `(st_dev, st_ino)` (SysV: shmid
+in our IPC namespace). The device decides before the name: a segment or huge anonymous
+memory lies on the kernel's own shm or hugetlbfs mount (a tmpfs file named `/SYSV...` is
+a file); on tmpfs only regular files are objects. A file is an orphan only unheld and in
+`ORPHAN_AREAS`. Age: the newest of mtime and ctime. Processes gone meanwhile are
+skipped; those we may not read are counted (`HostView.unreadable`).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from hostpool.host import mounts
 from hostpool.host.engines import engine_of, pool_of
 from hostpool.host.model import (
+    ORPHAN_AREAS,
+    Area,
     Engine,
     Holder,
     HostObject,
@@ -29,12 +35,7 @@ from hostpool.host.model import (
     Identity,
     ObjectKind,
 )
-from hostpool.host.mounts import (
-    TmpfsMount,
-    mount_namespaces,
-    tmpfs_mounts,
-    walk,
-)
+from hostpool.host.mounts import TmpfsMount, pids, tmpfs_dirs
 from hostpool.host.pods import Pods
 from hostpool.host.sysv import Segment, read_segments
 from hostpool.proc.hostread import (
@@ -43,37 +44,41 @@ from hostpool.proc.hostread import (
     HROW_SHARED,
     HROW_SIZE,
     HROW_VIA,
+    UNNAMED,
     HostReader,
     PathInfo,
     internal_devices,
     key_identity,
     map_files_stat,
+    named_inode,
     smaps_resident,
 )
 from hostpool.proc.procfs import ProcessAccessError, ProcessNotFoundError, command_name
-from hostpool.proc.scan import ROW_ALLOCATED, ROW_FDS, ROW_MAPPED, ROW_MAPPINGS, ROW_MATCH, Key, Row
+from hostpool.proc.scan import (
+    ROW_ALLOCATED,
+    ROW_FDS,
+    ROW_MAPPED,
+    ROW_MAPPINGS,
+    ROW_MATCH,
+    ROW_PATH,
+    Key,
+    Row,
+)
 
-__all__ = ["TmpfsMount", "holders_of", "scan_host", "tmpfs_dirs"]
+__all__ = ["TmpfsMount", "holder", "holders_of", "pids", "scan_host", "tmpfs_dirs"]
 
 _HUGE_ANON = "/anon_hugepage"
 SysvKey = tuple[str, str | None, int]  # ("sysv", foreign IPC namespace or None, shmid)
 
 
-def pids() -> list[int]:
-    """Every process /proc shows, in pid order."""
-    return sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
-
-
-def tmpfs_dirs() -> list[TmpfsMount]:
-    """One reachable mount per tmpfs superblock, of every mount namespace /proc shows
-    (ours first: `/dev/shm`; others through `/proc/PID/root`)."""
-    mounts, _devices = tmpfs_mounts(mount_namespaces(pids()))
-    return [m for m in mounts if m.fstype == "tmpfs"]
+def holder(pid: int, comm: str, row: Row) -> Holder:
+    """The holder a process's row makes (every holder is built here)."""
+    return Holder(pid, comm, row[ROW_FDS], row[ROW_MAPPINGS])
 
 
 def holders_of(identities: Collection[Identity]) -> dict[Identity, tuple[Holder, ...]]:
-    """A fresh walk of every process's fds and maps: the holders of each of
-    `identities` (one absent from the result is held by no process we may read)."""
+    """A fresh walk of every process's fds and maps, as the scan's: the holders of each
+    of `identities` (one absent from the result is held by no process we may read)."""
     wanted = set(identities)
     reader = HostReader({dev for dev, _ino in wanted})
     found: dict[Identity, list[Holder]] = {}
@@ -88,9 +93,14 @@ def holders_of(identities: Collection[Identity]) -> dict[Identity, tuple[Holder,
             if identity in wanted:
                 assert identity is not None
                 comm = comm if comm is not None else command_name(pid) or "?"
-                holder = Holder(pid, comm, row[ROW_FDS], row[ROW_MAPPINGS])
-                found.setdefault(identity, []).append(holder)
+                found.setdefault(identity, []).append(holder(pid, comm, row))
     return {identity: tuple(holders) for identity, holders in found.items()}
+
+
+def _changed(row: Row) -> float | None:
+    """The newest of a row's mtime and ctime (None: no fd measured it)."""
+    mtime, ctime = row[HROW_MTIME], row[HROW_CTIME]
+    return None if mtime is None else max(mtime, ctime or 0.0)
 
 
 @dataclass(slots=True)
@@ -102,72 +112,76 @@ class _Seen:
     holders: list[Holder] = field(default_factory=list)
     allocated: int | None = None
     size: int | None = None
-    mtime: float | None = None
+    changed: float | None = None  # the newest of its mtime and ctime
     mapped: int = 0
     shared: bool = False
-    via: tuple[int, bytes] | None = None  # a VMA of a holder: /proc/PID/map_files name
+    via: tuple[int, bytes] | None = None  # a VMA of a holder: /proc/TASK/map_files name
+    st: os.stat_result | None = None  # through that VMA, where map_files allowed it
 
     @classmethod
-    def first(cls, pid: int, comm: str, row: Row, info: PathInfo, key: Key) -> _Seen:
-        """An object as the first process holding it shows it."""
+    def first(cls, task: int, row: Row, info: PathInfo, key: Key, held: Holder) -> _Seen:
+        """An object as the first process holding it shows it (maps read at `task`)."""
         identity = None if isinstance(key, bytes) else (os.makedev(key[1], key[2]), key[0])
         via = row[HROW_VIA]
         allocated = row[ROW_ALLOCATED]
-        return cls(
-            info,
-            identity,
-            [Holder(pid, comm, row[ROW_FDS], row[ROW_MAPPINGS])],
-            allocated,
-            None if allocated is None else row[HROW_SIZE],
-            None if allocated is None else row[HROW_MTIME] or row[HROW_CTIME],
-            row[ROW_MAPPED],
-            row[HROW_SHARED],
-            None if via[1] else (pid, via[0]),
-        )
+        return cls(info, identity, [held], allocated,
+                   None if allocated is None else row[HROW_SIZE],
+                   None if allocated is None else _changed(row),
+                   row[ROW_MAPPED], row[HROW_SHARED],
+                   None if via[1] else (task, via[0]))  # fmt: skip
 
-    def add(self, pid: int, comm: str, row: Row) -> None:
+    def add(self, task: int, row: Row, info: PathInfo, held: Holder) -> None:
         """One process's row (processes come in pid order: holders stay sorted)."""
-        self.holders.append(Holder(pid, comm, row[ROW_FDS], row[ROW_MAPPINGS]))
+        self.holders.append(held)
         if row[ROW_MAPPED] > self.mapped:
             self.mapped = row[ROW_MAPPED]
         if row[HROW_SHARED]:
             self.shared = True
+        if self.info == UNNAMED:  # its first holder's links all closed meanwhile
+            self.info = info
         if self.allocated is None and row[ROW_ALLOCATED] is not None:
             self.allocated = row[ROW_ALLOCATED]
-            self.size, self.mtime = row[HROW_SIZE], row[HROW_MTIME] or row[HROW_CTIME]
+            self.size, self.changed = row[HROW_SIZE], _changed(row)
         if self.via is None and not row[HROW_VIA][1]:
-            self.via = (pid, row[HROW_VIA][0])
+            self.via = (task, row[HROW_VIA][0])
 
 
 @dataclass
 class _Scan:
     reader: HostReader
     shmem: int  # the kernel's shmem mount
-    mount_devices: set[int]  # every tmpfs / hugetlbfs mount's, reachable or not
+    sysv: frozenset[int]  # the kernel's own shm and hugetlbfs mounts: where segments live
+    blocks: mounts.Superblocks  # every tmpfs / hugetlbfs mount's, reachable or not
     hugetlb: set[int]  # the hugetlbfs ones, the kernel's own included
     objects: dict[Key | SysvKey, _Seen] = field(default_factory=dict)
     unreadable: int = 0
     truncated: bool = False
     ipc_ns: str | None = None
 
-    def add_process(self, pid: int, rows: dict[Key, Row]) -> None:
+    def add_process(self, pid: int, task: int, rows: dict[Key, Row]) -> None:
         comm = command_name(pid) or "?"
         objects = self.objects
         for key, row in rows.items():
             info: PathInfo = row[ROW_MATCH]
+            dev = self.shmem if isinstance(key, bytes) else os.makedev(key[1], key[2])
             okey: Key | SysvKey = key
-            if info[0] == "sysv":
+            if dev in self.blocks.fstypes:  # a file, whatever its name says
+                if info[0] != "file" and info != UNNAMED:
+                    info = ("file", os.fsdecode(row[ROW_PATH]).removesuffix(" (deleted)"))
+            elif info[0] == "sysv" and dev in self.sysv:
                 okey = self._sysv_key(pid, key)
-            elif info[1] == _HUGE_ANON and not row[HROW_SHARED]:
+            elif info[1] == _HUGE_ANON and dev in self.sysv and not row[HROW_SHARED]:
                 continue  # a private MAP_HUGETLB mapping: no shared object
+            held = holder(pid, comm, row)
             seen = objects.get(okey)
             if seen is None:
-                objects[okey] = _Seen.first(pid, comm, row, info, key)
+                objects[okey] = _Seen.first(task, row, info, key, held)
             else:
-                seen.add(pid, comm, row)
+                seen.add(task, row, info, held)
 
     def _sysv_key(self, pid: int, key: Key) -> SysvKey:
-        """A segment is its shmid within its IPC namespace (ours: None)."""
+        """A segment is its shmid (its inode on the kernel's shm mount) within its IPC
+        namespace (ours: None)."""
         ns = _ipc_ns(pid) or ""
         shmid = 0 if isinstance(key, bytes) else key[0]
         return "sysv", ns if ns != self.ipc_ns else None, shmid
@@ -183,18 +197,19 @@ def _ipc_ns(pid: int | str) -> str | None:
 def scan_host(*, deadline: float | None = None) -> HostView:
     """Every shared-memory object on the host (see the module's docstring). `deadline`
     (time.monotonic()) stops reading processes part way: `HostView.complete` is then
-    False and held objects of the processes not read may show as orphans."""
+    False and held objects of the processes not read may show as orphans. A tmpfs walk
+    that skipped anything for a reason other than ENOENT makes it False too."""
     now = time.time()
     every = pids()
-    namespaces = mount_namespaces(every)
-    mounts, fstypes = tmpfs_mounts(namespaces)
+    namespaces = mounts.mount_namespaces(every)
+    blocks = mounts.superblocks(namespaces)
     internal = internal_devices()
-    mount_devices = set(fstypes)
+    fstypes = blocks.fstypes
     hugetlb_devices = set(internal.hugetlb) | {d for d, t in fstypes.items() if t == "hugetlbfs"}
-    devices = {internal.shmem, *internal.hugetlb, *mount_devices}
-    scan = _Scan(
-        HostReader(devices), internal.shmem, mount_devices, hugetlb_devices, ipc_ns=_ipc_ns("self")
-    )
+    devices = {internal.shmem, *internal.hugetlb, *fstypes}
+    sysv = frozenset({internal.shmem, *internal.hugetlb})
+    scan = _Scan(HostReader(devices), internal.shmem, sysv, blocks, hugetlb_devices,
+                 ipc_ns=_ipc_ns("self"))  # fmt: skip
     for pid in every:
         if deadline is not None and time.monotonic() > deadline:
             scan.truncated = True
@@ -207,26 +222,26 @@ def scan_host(*, deadline: float | None = None) -> HostView:
             scan.unreadable += 1
             continue
         if read.rows:
-            scan.add_process(read.pid, read.rows)
+            scan.add_process(read.pid, read.maps_task, read.rows)
         scan.truncated = scan.truncated or not read.complete
     _measure_mapped_only(scan)
     objects = _held_objects(scan, now)
-    objects += _files(scan, mounts, now)
+    objects += _files(scan, now)
     objects += _segments(scan, read_segments(), now)
     pods = Pods()  # pod_uid and container_id where the node says (host/pods)
     pods.read_mounts(namespaces)
     objects = [pods.attribute(o) for o in objects]
     objects.sort(key=_order)
-    return HostView(
-        tuple(objects),
-        _totals(objects),
-        unreadable=scan.unreadable,
-        complete=not scan.truncated,
-    )
+    totals = _totals(objects)
+    return HostView(tuple(objects), totals, scan.unreadable, complete=not scan.truncated)
 
 
 def _order(o: HostObject) -> tuple[str, str, str]:
     return o.engine, o.kind, o.name
+
+
+def _newest(st: os.stat_result) -> float:
+    return max(st.st_mtime, st.st_ctime)  # a file restored with old times (cp -a) is new
 
 
 def _measure_mapped_only(scan: _Scan) -> None:
@@ -237,9 +252,9 @@ def _measure_mapped_only(scan: _Scan) -> None:
         if seen.allocated is not None or seen.via is None:
             continue
         pid, via = seen.via
-        st = map_files_stat(pid, via)
+        st = seen.st = map_files_stat(pid, via)
         if st is not None:
-            seen.allocated, seen.size, seen.mtime = st.st_blocks * 512, st.st_size, st.st_mtime
+            seen.allocated, seen.size, seen.changed = st.st_blocks * 512, st.st_size, _newest(st)
             continue
         if seen.identity is not None:
             key: Key = (seen.identity[1], os.major(seen.identity[0]), os.minor(seen.identity[0]))
@@ -258,11 +273,11 @@ def _held_objects(scan: _Scan, now: float) -> list[HostObject]:
         if isinstance(okey, tuple) and okey[0] == "sysv":
             continue
         dev = seen.identity[0] if seen.identity is not None else scan.shmem
-        if dev in scan.mount_devices:
+        if dev in scan.blocks.fstypes:
             continue
         hint, name = seen.info
-        # a shmem file that is none of the named kinds (a GPU driver's buffer object):
-        # anonymous shared memory too, dies with its holders
+        # a shmem file none of the named kinds (a GPU driver's buffer object, or unnamed:
+        # its fds closed meanwhile): anonymous shared memory too, dies with its holders
         kind: ObjectKind = "memfd" if hint == "memfd" else "anon_shared"
         out.append(_object(kind, name, None, seen, now, hugetlb=dev in scan.hugetlb))
     return out
@@ -275,59 +290,66 @@ def _naming(base: str) -> tuple[Engine, str | None]:
     return engine, pool_of(base) if engine in ("hostpool", "sglang") else None
 
 
-def _object(
-    kind: ObjectKind,
-    name: str,
-    path: str | None,
-    seen: _Seen,
-    now: float,
-    *,
-    hugetlb: bool,
-    orphan: bool = False,
-    shmid: int | None = None,
-) -> HostObject:
+def _object(kind: ObjectKind, name: str, path: str | None, seen: _Seen, now: float, *,
+            hugetlb: bool, orphan: bool = False, shmid: int | None = None,
+            area: Area | None = None, links: int | None = None) -> HostObject:  # fmt: skip
     base = name.rpartition("/")[2] if kind == "file" else name  # a memfd's name may hold '/'
     engine, pool = _naming(base)
     size = seen.size if seen.size is not None else seen.mapped
-    age = None if seen.mtime is None else max(0.0, now - seen.mtime)
+    age = None if seen.changed is None else max(0.0, now - seen.changed)
     return HostObject(kind, name, path, engine, pool, size, seen.allocated or 0,
-                      tuple(seen.holders), orphan, age, seen.identity, shmid, hugetlb)  # fmt: skip
+                      tuple(seen.holders), orphan, age, seen.identity, shmid, hugetlb,
+                      area, links)  # fmt: skip
 
 
-def _files(scan: _Scan, mounts: list[TmpfsMount], now: float) -> list[HostObject]:
-    """Every regular file on every tmpfs mount, joined to its holders; files held but
-    not found there (unlinked, or on a mount no namespace shows) come last, path None."""
+def _files(scan: _Scan, now: float) -> list[HostObject]:
+    """Every regular file on every tmpfs mount, joined to its holders (one object per
+    inode: a hard link is not another); files held but not found there (unlinked, or on
+    a mount no namespace shows) come last, path None; a mapped device node is none."""
     out = []
     done: set[Identity] = set()
     objects = scan.objects
-    for mount in mounts:
+    skipped: list[OSError] = []
+    for mount in scan.blocks.mounts:
         dev, hugetlb = mount.st_dev, mount.hugetlb
         major, minor = os.major(dev), os.minor(dev)
-        for name, path, st in walk(mount):
+        for name, path, st in mounts.walk(mount, skipped):
             ino = st.st_ino
             identity = (dev, ino)
             if identity in done:
                 continue  # a hard link of a file already listed
             done.add(identity)
+            area = mount.area(name)
             seen = objects.get((ino, major, minor))
-            if seen is None:  # an orphan: most files on a busy /dev/shm, made directly
-                engine, pool = _naming(name.rpartition("/")[2])
-                age = max(0.0, now - st.st_mtime)
-                out.append(HostObject("file", name, path, engine, pool, st.st_size,
-                                      st.st_blocks * 512, (), True, age, identity,
-                                      None, hugetlb))  # fmt: skip
-                continue
-            seen.allocated, seen.size, seen.mtime = st.st_blocks * 512, st.st_size, st.st_mtime
-            out.append(_object("file", name, path, seen, now, hugetlb=hugetlb))
+            if seen is None:  # unheld: most files on a busy /dev/shm, made directly
+                seen = _Seen(("file", name), identity)
+            seen.allocated, seen.size, seen.changed = st.st_blocks * 512, st.st_size, _newest(st)
+            orphan = not seen.holders and area in ORPHAN_AREAS
+            out.append(_object("file", name, path, seen, now, hugetlb=hugetlb, orphan=orphan,
+                               area=area, links=st.st_nlink))  # fmt: skip
+    scan.truncated = scan.truncated or bool(skipped)
     for okey, seen in objects.items():
         if seen.identity is None or seen.identity in done or not isinstance(okey, tuple):
             continue
-        if okey[0] == "sysv" or seen.identity[0] not in scan.mount_devices:
+        dev = seen.identity[0]
+        if okey[0] == "sysv" or dev not in scan.blocks.fstypes or not _regular(seen):
             continue
         name = seen.info[1].rpartition("/")[2]
-        hugetlb = seen.identity[0] in scan.hugetlb
-        out.append(_object("file", name, None, seen, now, hugetlb=hugetlb))
+        links = None if seen.st is None else seen.st.st_nlink
+        out.append(_object("file", name, None, seen, now, hugetlb=dev in scan.hugetlb,
+                           area=scan.blocks.area(dev), links=links))  # fmt: skip
     return out
+
+
+def _regular(seen: _Seen) -> bool:
+    """Whether a held object on a tmpfs mount that the walk did not meet is a regular
+    file. An fd alone makes a row only for one; a mapping may be of a device node
+    (`/dev/zero` mapped private, a GPU's node in a container's /dev): its VMA's stat
+    says, else its name's if that still leads to it, else (unlinked) it is a file."""
+    st = seen.st
+    if st is None and seen.via is not None and seen.identity is not None:
+        st = named_inode(seen.via[0], seen.info[1], seen.identity)
+    return st is None or stat.S_ISREG(st.st_mode)
 
 
 def _segments(scan: _Scan, segments: list[Segment], now: float) -> list[HostObject]:
@@ -339,46 +361,31 @@ def _segments(scan: _Scan, segments: list[Segment], now: float) -> list[HostObje
         if seen is None:
             seen = _Seen(("sysv", seg.name), (scan.shmem, seg.shmid))
         seen.allocated, seen.size = seg.rss, seg.size
-        seen.mtime = float(seg.changed) if seg.changed else None
+        seen.changed = float(seg.changed) if seg.changed else None
         hugetlb = seen.identity is not None and seen.identity[0] in scan.hugetlb
-        out.append(
-            _object(
-                "sysv",
-                seg.name,
-                None,
-                seen,
-                now,
-                hugetlb=hugetlb,
-                orphan=seg.nattch == 0,
-                shmid=seg.shmid,
-            )
-        )
+        out.append(_object("sysv", seg.name, None, seen, now, hugetlb=hugetlb,
+                           orphan=seg.nattch == 0, shmid=seg.shmid))  # fmt: skip
     listed = {seg.shmid for seg in segments}
     for okey, seen in scan.objects.items():
-        if (
-            isinstance(okey, tuple)
-            and okey[0] == "sysv"
-            and not (okey[1] is None and okey[2] in listed)
-        ):
-            dev = seen.identity[0] if seen.identity else 0
-            hugetlb = dev in scan.hugetlb
-            out.append(
-                _object("sysv", seen.info[1], None, seen, now, hugetlb=hugetlb, shmid=int(okey[2]))
-            )
+        if not (isinstance(okey, tuple) and okey[0] == "sysv"):
+            continue
+        if okey[1] is not None or okey[2] not in listed:  # another namespace's, or gone
+            hugetlb = seen.identity is not None and seen.identity[0] in scan.hugetlb
+            out.append(_object("sysv", seen.info[1], None, seen, now, hugetlb=hugetlb,
+                               shmid=int(okey[2])))  # fmt: skip
     return out
 
 
 def _totals(objects: list[HostObject]) -> HostTotals:
+    """(shmem, attributed, unattributed, orphaned, hugetlb, hugetlb orphaned) bytes."""
     shmem = _meminfo_shmem()
-    attributed = sum(o.resident_bytes for o in objects if not o.hugetlb)
-    return HostTotals(
-        shmem_bytes=shmem,
-        attributed_bytes=attributed,
-        unattributed_bytes=max(0, shmem - attributed),
-        orphaned_bytes=sum(o.resident_bytes for o in objects if o.orphan and not o.hugetlb),
-        hugetlb_bytes=sum(o.resident_bytes for o in objects if o.hugetlb),
-        hugetlb_orphaned_bytes=sum(o.resident_bytes for o in objects if o.hugetlb and o.orphan),
-    )
+    plain = [o for o in objects if not o.hugetlb]
+    huge = [o for o in objects if o.hugetlb]
+    attributed = sum(o.resident_bytes for o in plain)
+    return HostTotals(shmem, attributed, max(0, shmem - attributed),
+                      sum(o.resident_bytes for o in plain if o.orphan),
+                      sum(o.resident_bytes for o in huge),
+                      sum(o.resident_bytes for o in huge if o.orphan))  # fmt: skip
 
 
 def _meminfo_shmem() -> int:
