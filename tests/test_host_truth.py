@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from hostpool.host import mounts
 from hostpool.host.model import HostObject
 from hostpool.host.scan import holders_of, scan_host
 from hostpool.proc import hostread
@@ -148,7 +149,9 @@ def test_holders_behind_a_zombie_leader(root: None, shm_path: str) -> None:
         assert [(h.pid, h.fds, h.mappings) for h in memfd.holders] == [(proc.pid, 2, 1)]
         assert memfd.kind == "memfd" and memfd.name == tag and memfd.resident_bytes == PAGE
         assert not file.orphan
-        assert [h.pid for h in holders_of([file.identity or (0, 0)])[file.identity]] == [proc.pid]
+        identity = file.identity
+        assert identity is not None
+        assert [h.pid for h in holders_of([identity])[identity]] == [proc.pid]
 
 
 # Two fds on one memfd; closes the fd named on stdin, then says so
@@ -186,7 +189,7 @@ def test_a_link_that_closes_while_read_keeps_its_holder(
                 assert proc.stdout.readline().strip() == "closed"
             return real(path, dir_fd=dir_fd)
 
-        monkeypatch.setattr(hostread.os, "readlink", readlink)
+        monkeypatch.setattr(os, "readlink", readlink)  # hostread reads links by os.readlink
         devices = {hostread.internal_devices().shmem}
         rows = hostread.HostReader(devices).read(proc.pid).rows
         monkeypatch.undo()
@@ -467,3 +470,53 @@ def test_a_walk_that_runs_out_of_fds_says_incomplete(root: None) -> None:
         under = f"/proc/{proc.pid}/root/dev/shm/"
         got = scan_with_few_fds(30, under)
     assert not got["complete"] and got["found"] == []
+
+
+def test_a_tree_deeper_than_the_walk_goes_says_incomplete(root: None) -> None:
+    """Directories below MAX_DEPTH levels are skipped (the walk holds one fd per level):
+    the view says it is not complete."""
+    depth = mounts.MAX_DEPTH + 2
+    setup = (
+        "mount -t tmpfs hostpool-test /dev/shm && cd /dev/shm && "
+        f"for i in $(seq {depth}); do mkdir d && cd d; done && echo x > f"
+    )
+    with python("import sys; print('{}', flush=True); sys.stdin.read()",
+                prefix=in_namespace(setup)) as (proc, _):  # fmt: skip
+        view = scan_host()
+        under = f"/proc/{proc.pid}/root/dev/shm/"
+        assert not view.complete
+        assert not [o for o in view.objects if o.path and o.path.startswith(under)]
+
+
+@pytest.mark.parametrize(
+    ("mountpoint", "fstype", "area"),
+    [
+        ("/dev/shm", "tmpfs", "dev_shm"),
+        ("/run/containerd/io.containerd.grpc.v1.cri/sandboxes/" + "c" * 64 + "/shm", "tmpfs",
+         "dev_shm"),
+        ("/var/lib/docker/containers/" + "d" * 64 + "/mounts/shm", "tmpfs", "dev_shm"),
+        ("/run/containers/storage/overlay-containers/" + "e" * 64 + "/userdata/shm", "tmpfs",
+         "dev_shm"),
+        (f"/data/kubelet/pods/{UID}/volumes/kubernetes.io~secret/s", "tmpfs", "kubelet_volume"),
+        (f"{VOLUMES}/kubernetes.io~csi/inline", "tmpfs", "kubelet_volume"),
+        (f"{VOLUMES}/kubernetes.io~empty-dir/cache", "tmpfs", "empty_dir"),
+        (f"{VOLUMES}/kubernetes.io~empty-dir/huge", "hugetlbfs", "hugetlbfs"),
+        ("/dev/hugepages", "hugetlbfs", "hugetlbfs"),
+        ("/dev/shm/sub", "tmpfs", "system"),
+        ("/run", "tmpfs", "system"),
+        ("/dev", "devtmpfs", "system"),
+    ],
+)  # fmt: skip
+def test_the_area_of_a_mount(mountpoint: str, fstype: str, area: str) -> None:
+    assert mounts.mount_area(mountpoint, fstype) == area
+
+
+def test_mounts_that_disagree_and_bind_mounts_of_part() -> None:
+    views: tuple[mounts.View, ...] = (
+        ("/", "system"),
+        ("/pod", "dev_shm"),
+    )  # /run/pod at a /dev/shm
+    assert mounts.area_of(views, "/pod/f") == "dev_shm"
+    assert mounts.area_of(views, "/podx/f") == mounts.area_of(views, "/f") == "system"
+    both: tuple[mounts.View, ...] = (("/", "dev_shm"), ("/", "kubelet_volume"))
+    assert mounts.area_of(both, "/f") == "kubelet_volume"

@@ -307,7 +307,7 @@ class HostReader:
 @dataclass(slots=True)
 class _Leader:
     """What the walk of a process's leader read: whether its maps were empty (its main
-    thread exited) and its fd directory's entries."""
+    thread exited), its fd directory's entries, and the task whose maps stand."""
 
     maps_empty: bool = False
     entries: list[bytes] | None = field(default=None)
