@@ -175,21 +175,23 @@ class Pods:
 
     def attribute(self, obj: HostObject) -> HostObject:
         """`obj` with its holders' and its own `pod_uid`/`container_id` filled (the same
-        object when the node names no pod for it)."""
+        object when the node names no pod for it: a host without pods pays a lookup per
+        holder)."""
         holders = obj.holders
-        refs = [self.of_pid(h.pid) for h in holders]
-        if any(r.pod_uid is not None for r in refs):
-            holders = tuple(_placed(h, r) for h, r in zip(holders, refs, strict=True))
+        of_pid = self.of_pid
+        if any(of_pid(h.pid).pod_uid is not None for h in holders):
+            refs = [of_pid(h.pid) for h in holders]
             ref = _agreed(refs)
-        elif obj.kind == "file" and obj.identity is not None:
-            ref = self.of_dev(obj.identity[0])
-        else:
+            placed = tuple(_placed(h, r) for h, r in zip(holders, refs, strict=True))
+            return dataclasses.replace(
+                obj, holders=placed, pod_uid=ref.pod_uid, container_id=ref.container_id
+            )
+        if not self._by_dev or obj.kind != "file" or obj.identity is None:
             return obj
-        if ref.pod_uid is None and holders is obj.holders:
+        ref = self._by_dev.get(obj.identity[0], NO_POD)
+        if ref.pod_uid is None:
             return obj
-        return dataclasses.replace(
-            obj, holders=holders, pod_uid=ref.pod_uid, container_id=ref.container_id
-        )
+        return dataclasses.replace(obj, pod_uid=ref.pod_uid, container_id=ref.container_id)
 
 
 def _shows(path: str, dev: int) -> bool:
@@ -201,7 +203,7 @@ def _shows(path: str, dev: int) -> bool:
         return False
 
 
-def _placed(holder: Holder, ref: PodRef) -> Holder:
+def _placed(h: Holder, ref: PodRef) -> Holder:
     if ref.pod_uid is None:
-        return holder
-    return dataclasses.replace(holder, pod_uid=ref.pod_uid, container_id=ref.container_id)
+        return h
+    return dataclasses.replace(h, pod_uid=ref.pod_uid, container_id=ref.container_id)
