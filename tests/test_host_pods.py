@@ -46,6 +46,10 @@ STATIC = "0123456789abcdef0123456789abcdef"  # a static pod's uid: its config's 
          PodRef(UID, CID)),
         (f"4:memory:/kubepods/pod{UID}/{CID}\n", PodRef(UID, CID)),
         (f"0::/kubepods/besteffort/pod{STATIC}/{CID}\n", PodRef(STATIC, CID)),
+        # CRI-O under cgroupfs (no .scope); a container running systemd (nested cgroups)
+        (f"0::/kubepods/burstable/pod{UID}/crio-{CID}\n", PodRef(UID, CID)),
+        (f"0::/kubepods.slice/kubepods-pod{UID_}.slice/cri-containerd-{CID}.scope/init.scope\n",
+         PodRef(UID, CID)),
         # read from another cgroup namespace: relative to the reader's root
         (f"0::/../../kubepods-besteffort-pod{UID_}.slice/cri-containerd-{CID}.scope\n",
          PodRef(UID, CID)),
