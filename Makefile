@@ -126,6 +126,7 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) bench/tls_scrape.py
 	$(PY) bench/share.py
 	$(PY) bench/leakcheck.py
+	$(PY) bench/make_run.py
 	-$(PY) bench/gpu_pin.py
 	$(VLLM_PY) bench/vllm_offload.py
 	$(PY) bench/report.py
