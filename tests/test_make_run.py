@@ -42,3 +42,15 @@ def test_make_test_and_lint_install_everything(tmp_path: Path, target: str) -> N
     # The pinned CPU wheel goes in before anything that could ask for torch.
     pinned = steps.index('pip install -q "torch==')
     assert pinned < steps.index('-e ".[dev,bench,torch]"')
+
+
+@pytest.mark.slow
+def test_make_run_from_a_fresh_clone_serves_metrics_from_a_venv_without_torch() -> None:
+    """What bench/make_run.py times (docs/benchmarks.md has the figures): a `git clone` of
+    HEAD, `make run` there until GET /metrics answers 200 (one_round raises otherwise),
+    its venv's packages."""
+    from bench.make_run import one_round
+
+    result = one_round("8MiB")
+    assert not result["torch"], result["packages"]
+    assert "hostpool" in result["packages"] and "numpy" not in result["packages"]
