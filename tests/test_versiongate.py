@@ -3,6 +3,7 @@ checked once per process, one warning outside it."""
 
 from __future__ import annotations
 
+import pytest
 import structlog
 
 from hostpool.base.versiongate import UNTESTED_VERSION, VersionGate, release_of
@@ -41,3 +42,26 @@ def test_outside_the_range_one_warning_names_it_all() -> None:
         "relies_on": "its private thing",
         "fallback": "skip",
     }
+
+
+def test_waitress_is_a_gate_not_a_pin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hostpool requires `waitress>=3.0` with no upper bound (an engine's environment may
+    hold a later one); the listener's reliance on its internals warns once outside 3.x."""
+    import socket
+    import tomllib
+    from pathlib import Path
+
+    from hostpool.net import listener
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "waitress>=3.0" in project["project"]["dependencies"]
+    assert listener.WAITRESS.allows(listener.distribution_version("waitress"))
+    monkeypatch.setattr(listener, "distribution_version", lambda name: "4.0.0")
+    with socket.socket() as sock, structlog.testing.capture_logs() as logs:
+        listener.Listener(sock)
+    (warned,) = [e for e in logs if e["event"] == UNTESTED_VERSION]
+    assert (warned["package"], warned["installed"], warned["tested"]) == (
+        "waitress",
+        "4.0.0",
+        ">=3.0,<4",
+    )
