@@ -68,21 +68,25 @@ def pod_cgroup_path(pod_uid: str, container_id: str, qos: str = "besteffort") ->
 
 @contextlib.contextmanager
 def pod_cgroup(pod_uid: str, container_id: str) -> Iterator[Callable[[int], None]]:
-    """A container's cgroup as the systemd driver names it, made under `cgroup_root()`;
-    yields `move(pid)`. On leaving: its processes moved back to the root, and the
-    directories made here removed (deepest first; one still used by another test kept)."""
+    """A container's cgroup as the systemd driver names it, made under `cgroup_root()` in
+    a directory of its own (`hostpool-test-<random>/kubepods.slice/...`: never a real
+    kubelet's, nor another test's; the path reads as from a nested cgroup namespace);
+    yields `move(pid)`. On leaving: its processes moved back to the root, and every
+    directory made here removed, deepest first."""
     root = cgroup_root()
     if root is None:
         raise RuntimeError("no cgroup hierarchy is mounted")
+    path = f"{root}/hostpool-test-{secrets.token_hex(6)}"
     made = []
-    path = root
-    for part in pod_cgroup_path(pod_uid, container_id).split("/"):
-        path = f"{path}/{part}"
-        try:
+    try:
+        for part in ("", *pod_cgroup_path(pod_uid, container_id).split("/")):
+            path = f"{path}/{part}" if part else path
             os.mkdir(path)
             made.append(path)
-        except FileExistsError:
-            pass
+    except BaseException:
+        for directory in reversed(made):
+            os.rmdir(directory)
+        raise
 
     def move(pid: int) -> None:
         with open(f"{path}/cgroup.procs", "w") as f:
@@ -97,8 +101,7 @@ def pod_cgroup(pod_uid: str, container_id: str) -> Iterator[Callable[[int], None
             with contextlib.suppress(OSError), open(f"{root}/cgroup.procs", "w") as out:
                 out.write(pid)  # ESRCH: gone meanwhile
         for directory in reversed(made):
-            with contextlib.suppress(OSError):  # EBUSY/ENOTEMPTY: another test's too
-                os.rmdir(directory)
+            os.rmdir(directory)
 
 
 def _planted_kind(engine: str, kind: str) -> bool:
