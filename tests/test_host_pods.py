@@ -213,7 +213,7 @@ def _object(name: str, resident: int, pod: str | None, *, orphan: bool = False) 
 
 
 def test_shm_by_pod_groups_most_resident_first_no_pod_last() -> None:
-    from hostpool.cli.shm import by_pod, encode, render_pods
+    from hostpool.cli.shm import by_pod, encode, render, render_pods
 
     other = str(uuid.uuid4())
     objects = [
@@ -238,6 +238,12 @@ def test_shm_by_pod_groups_most_resident_first_no_pod_last() -> None:
     assert lines[0] == f"pod {UID}: 2 object(s), 3MiB resident, 2MiB orphaned"
     assert lines[1].split()[:2] == ["vllm", "memfd"] and "ORPHAN" in lines[2]
     assert lines[5].startswith("no pod: 1 object(s)")
+    assert f"pod={UID}" not in out.getvalue()  # said by the headings
+    out = io.StringIO()
+    render(HostView(tuple(objects), totals), objects, out)
+    by_engine = out.getvalue().splitlines()
+    assert by_engine[1].endswith(f"pod={UID}  held by 7/python3")
+    assert "pod=" not in by_engine[2]  # b: no pod
 
 
 @needs_cgroups

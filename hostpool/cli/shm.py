@@ -172,7 +172,7 @@ def render_pods(view: HostView, pods: list[PodGroup], out: TextIO) -> None:
             f" resident, {format_size(pod.orphaned_bytes)} orphaned\n"
         )
         for o in pod.objects:
-            out.write(f"  {o.engine:<9} " + _line(o) + "\n")
+            out.write(f"  {o.engine:<9} " + _line(o, pod=False) + "\n")
     _render_totals(view, out)
 
 
@@ -197,12 +197,14 @@ def _render_totals(view: HostView, out: TextIO) -> None:
         )
 
 
-def _line(o: HostObject) -> str:
+def _line(o: HostObject, *, pod: bool = True) -> str:
+    """One object for people; `pod`: with its pod's uid, where it has one."""
     where = printable(o.path) if o.path is not None else printable(o.name) or "-"
     state = "ORPHAN" if o.orphan else _holders(o)
     extra = f" shmid={o.shmid}" if o.shmid is not None else ""
     extra += " hugetlb" if o.hugetlb else ""
     extra += f" pool={printable(o.pool)}" if o.pool is not None else ""
+    extra += f" pod={o.pod_uid}" if pod and o.pod_uid is not None else ""  # uid-shaped only
     age = "" if o.age_seconds is None else f" age {format_duration(o.age_seconds)}"
     # resident counts whole pages (a 1000-byte file holds a 4 KiB page): "4KiB of 1000B"
     # reads as a wrong figure, so a line says at most the size (the totals and --json are
