@@ -108,6 +108,22 @@ sys.stdin.read()
 """
 
 
+@contextlib.contextmanager
+def holders(token: str) -> Iterator[tuple[int, int]]:
+    """HOLDERS running: (parent, child) pids, both holding the shared memfd until the
+    end (their stdin closed)."""
+    with subprocess.Popen(
+        [sys.executable, "-c", HOLDERS, token],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    ) as proc:  # fmt: skip
+        assert proc.stdout is not None and proc.stdin is not None
+        try:
+            said = dict(proc.stdout.readline().split() for _ in range(2))  # in either order
+            yield int(said["parent"]), int(said["child"])
+        finally:
+            proc.stdin.close()
+
+
 @needs_cgroups
 def test_holders_carry_their_pod_and_an_object_the_pod_they_agree_on() -> None:
     """Two processes of two pods hold one memfd: each holder has its own pod, the object
@@ -117,20 +133,11 @@ def test_holders_carry_their_pod_and_an_object_the_pod_they_agree_on() -> None:
     with (
         pod_cgroup(UID, CID) as into_first,
         pod_cgroup(other_uid, other_cid) as into_second,
-        subprocess.Popen(
-            [sys.executable, "-c", HOLDERS, token],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        ) as proc,
-    ):  # fmt: skip
-        assert proc.stdout is not None and proc.stdin is not None
-        said = dict(proc.stdout.readline().split() for _ in range(2))  # in either order
-        child, parent = int(said["child"]), int(said["parent"])
-        try:
-            into_first(parent)
-            into_second(child)
-            objects = _by_name(scan_host().objects, token)
-        finally:
-            proc.stdin.close()
+        holders(token) as (parent, child),
+    ):
+        into_first(parent)
+        into_second(child)
+        objects = _by_name(scan_host().objects, token)
         shared, own = objects[f"vllm_shared_{token}"], objects[f"vllm_own_{token}"]
         assert {(h.pid, h.pod_uid, h.container_id) for h in shared.holders} == {
             (parent, UID, CID), (child, other_uid, other_cid),
@@ -251,24 +258,13 @@ def test_shm_by_pod_on_real_pods() -> None:
     """`hostpool shm --by pod --json` and its text: the memfd a pod's process holds is
     listed under that pod."""
     token = secrets.token_hex(6)
-    with (
-        pod_cgroup(UID, CID) as into_pod,
-        subprocess.Popen(
-            [sys.executable, "-c", HOLDERS, token],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        ) as proc,
-    ):  # fmt: skip
-        assert proc.stdout is not None and proc.stdin is not None
-        said = dict(proc.stdout.readline().split() for _ in range(2))
-        try:
-            into_pod(int(said["parent"]))
-            into_pod(int(said["child"]))
-            shm = [sys.executable, "-m", "hostpool", "shm", "--by", "pod"]
-            doc = json.loads(subprocess.run([*shm, "--json"], capture_output=True,
-                                            check=True, timeout=300).stdout)  # fmt: skip
-            text = subprocess.run(shm, capture_output=True, check=True, text=True, timeout=300)
-        finally:
-            proc.stdin.close()
+    with pod_cgroup(UID, CID) as into_pod, holders(token) as (parent, child):
+        into_pod(parent)
+        into_pod(child)
+        shm = [sys.executable, "-m", "hostpool", "shm", "--by", "pod"]
+        doc = json.loads(subprocess.run([*shm, "--json"], capture_output=True,
+                                        check=True, timeout=300).stdout)  # fmt: skip
+        text = subprocess.run(shm, capture_output=True, check=True, text=True, timeout=300)
     pod = next(p for p in doc["pods"] if p["pod_uid"] == UID)
     mine = [o for o in doc["objects"] if token in o["name"]]
     assert {(o["name"], o["pod_uid"], o["container_id"]) for o in mine} == {
