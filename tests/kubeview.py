@@ -196,15 +196,26 @@ def _aggregate(objects: list[dict[str, Any]]) -> dict[str, list[int]]:
 
 def _scrape(argv: list[str]) -> dict[str, list[int]]:
     """What the exporter started as given says of the planted engines' objects."""
+
+    def planted(labels: dict[str, str]) -> str | None:
+        if not _planted_kind(labels["engine"], labels["kind"]):
+            return None
+        return f"{labels['engine']}/{labels['kind']}/{labels['state']}"
+
+    return _shm_series(_scrape_text(argv), planted)
+
+
+def _shm_series(text: str, key_of: Callable[[dict[str, str]], str | None]) -> dict[str, list[int]]:
+    """key -> [objects, bytes] of hostpool_host_shm_objects and _bytes, for the samples
+    `key_of` keys (by their labels; None: left out) and that are not 0."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, list[int]] = {}
-    for family in text_string_to_metric_families(_scrape_text(argv)):
+    for family in text_string_to_metric_families(text):
         at = {"hostpool_host_shm_objects": 0, "hostpool_host_shm_bytes": 1}.get(family.name)
         for sample in family.samples if at is not None else []:
-            labels = sample.labels
-            if _planted_kind(labels["engine"], labels["kind"]) and sample.value:
-                key = f"{labels['engine']}/{labels['kind']}/{labels['state']}"
+            key = key_of(sample.labels)
+            if key is not None and sample.value:
                 out.setdefault(key, [0, 0])[at] = int(sample.value)
     return out
 
@@ -377,17 +388,11 @@ def _kubelet_volumes(token: str, index: int, uid: str) -> str:
 
 def _pod_series(text: str, pods: set[str]) -> dict[str, list[int]]:
     """'engine/kind/state/area/pod_uid' -> [objects, bytes] of the pods' series."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, list[int]] = {}
-    for family in text_string_to_metric_families(text):
-        at = {"hostpool_host_shm_objects": 0, "hostpool_host_shm_bytes": 1}.get(family.name)
-        for sample in family.samples if at is not None else []:
-            labels = sample.labels
-            if labels["pod_uid"] in pods:
-                key = "/".join(labels[k] for k in ("engine", "kind", "state", "area", "pod_uid"))
-                out.setdefault(key, [0, 0])[at] = int(sample.value)
-    return out
+    names = ("engine", "kind", "state", "area", "pod_uid")
+    return _shm_series(
+        text,
+        lambda labels: "/".join(labels[n] for n in names) if labels["pod_uid"] in pods else None,
+    )
 
 
 def _views(token: str, pods: set[str]) -> dict[str, Any]:
