@@ -70,8 +70,9 @@ def run_names() -> tuple[str, ...]:
 
 
 def held_outside_the_run(paths: set[str]) -> set[str]:
-    """Those of `paths` that a live process holds (an fd or a mapping) and no process of
-    this run (this one and its descendants): another run's files in use, not ours."""
+    """Those of `paths` that a live process holds (an fd, a mapping or its working
+    directory at or under it: a directory in use) and no process of this run (this one and
+    its descendants) does: another run's files in use, not ours."""
     import psutil
 
     ours = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
@@ -79,13 +80,16 @@ def held_outside_the_run(paths: set[str]) -> set[str]:
     for pid in (int(n) for n in os.listdir("/proc") if n.isdigit()):
         held: set[str] = set()
         with contextlib.suppress(OSError):
+            held.add(os.readlink(f"/proc/{pid}/cwd"))
+        with contextlib.suppress(OSError):
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
                     held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
         with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
             held.update(line.split(None, 5)[-1].strip() for line in maps if "/" in line)
-        for path in held & paths:
-            holders.setdefault(path, set()).add(pid)
+        for path in paths:
+            if path in held or any(h.startswith(path + "/") for h in held):
+                holders.setdefault(path, set()).add(pid)
     return {path for path, pids in holders.items() if not pids & ours}
 
 
