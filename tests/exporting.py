@@ -32,7 +32,11 @@ class Exporter:
 
 
 def start_exporter(*args: str) -> Exporter:
-    """`hostpool exporter ARGS --port 0`, once it logged the URL it serves."""
+    """`hostpool exporter ARGS --port 0`, once it logged the URL it serves. A scan per
+    scrape (`--min-scan-interval 0`) unless ARGS say otherwise: these tests change the
+    host between two scrapes (the interval has its own tests, test_node_guard_*)."""
+    if not any(arg.startswith("--min-scan-interval") for arg in args):
+        args = (*args, "--min-scan-interval", "0")
     proc = subprocess.Popen(
         [sys.executable, "-m", "hostpool", "exporter", *args, "--port", "0"],
         stderr=subprocess.PIPE,

@@ -33,11 +33,11 @@ from hostpool.host.model import (
     ObjectKind,
 )
 from hostpool.host.pods import parse_cgroup
-from hostpool.host.scan import scan_host
 from hostpool.metrics.host import HOST_METRICS, HostCollector
 from tests import dashboard_lint as lint
 from tests import exporting, helpers
 from tests.helpers import start_exporter
+from tests.readerscan import scan_as_reader
 from tests.waiting import wait_for
 
 __all__ = ["start_exporter"]  # the fixture
@@ -378,9 +378,10 @@ def test_the_node_view_is_the_scan_of_the_real_host(
     last: dict[str, object] = {}
 
     def bracketed() -> tuple[str, exporting.Samples] | None:
-        shmem_before, before = meminfo_shmem(), scan_series(scan_host())
+        # scanned with the exporter's reader's capabilities (tests/readerscan)
+        shmem_before, before = meminfo_shmem(), scan_series(scan_as_reader())
         text, samples = exporting.scrape(url)
-        after, shmem_after = scan_series(scan_host()), meminfo_shmem()
+        after, shmem_after = scan_series(scan_as_reader()), meminfo_shmem()
         got = scraped_series(samples)
         outside = {
             key: (got.get(key, 0.0), before.get(key, 0.0), after.get(key, 0.0))

@@ -15,16 +15,23 @@ may not be read, 2 for a wrong flag or value or web config file.
 from __future__ import annotations
 
 import argparse
+import os
+import pwd
 import signal
+import socket
 import sys
 import threading
 from types import FrameType
+from typing import TYPE_CHECKING
 
-from hostpool.base import events
+from hostpool.base import events, sandbox
 from hostpool.cli.command import Subcommand
 from hostpool.cli.exitcodes import INVALID, NOT_NOW
 from hostpool.proc import procfs
 from hostpool.proc.textsafe import printable
+
+if TYPE_CHECKING:
+    from hostpool.net.webconfig import WebConfig
 
 # the collector's default, without importing prometheus_client for --help
 DEFAULT_SCRAPE_BUDGET = 5.0
@@ -32,6 +39,13 @@ DEFAULT_SCRAPE_BUDGET = 5.0
 # Real servers have a handful of pools (kv, swa, mamba, ...); sglang's raw names all
 # count as one (pool "-").
 DEFAULT_MAX_POOLS = 32
+
+# One scan's result serves every scrape for this long (a flood costs one scan a second).
+DEFAULT_MIN_SCAN_INTERVAL = 1.0
+# /healthz turns 503 when a scan asked for has not finished after this many times the
+# longer of the minimum interval and the scrape budget (15 s by default).
+STALL_FACTOR = 3
+DEFAULT_LISTENER_USER = "65534"  # nobody
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,6 +91,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(keep it below Prometheus' scrape_timeout); --node with --pid/--match: half each",
     )
     p.add_argument(
+        "--min-scan-interval",
+        type=_interval,
+        default=DEFAULT_MIN_SCAN_INTERVAL,
+        metavar="SECONDS",
+        help=f"one scan's result answers every scrape for this long "
+        f"({DEFAULT_MIN_SCAN_INTERVAL:g}); at most one scan runs at a time; 0: a scan per "
+        "scrape (still one at a time)",
+    )
+    p.add_argument(
+        "--listener-user",
+        type=_user,
+        default=DEFAULT_LISTENER_USER,
+        metavar="USER",
+        help=f"the user (name or uid) the process that answers HTTP runs as, without any "
+        f"capability ({DEFAULT_LISTENER_USER}); started as another user than root, it stays "
+        "that user",
+    )
+    p.add_argument(
         "--web-config-file",
         "--web.config.file",
         dest="web_config_file",
@@ -88,13 +120,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prometheus_client import CollectorRegistry, make_wsgi_app
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
 
     from hostpool.metrics.exporter import ProcfsCollector
     from hostpool.metrics.host import HostCollector
-    from hostpool.net.listener import Listener, bind
-    from hostpool.net.routes import Route, routed_app, text_app
-    from hostpool.net.webconfig import WebConfig, load
+    from hostpool.metrics.privsep import ScanCount, answer_questions, end_reader, split
+    from hostpool.net.listener import bind
+    from hostpool.net.webconfig import load
 
     watched = args.pid is not None or args.match is not None
     if not (watched or args.node):
@@ -107,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
     if args.match is not None and not all(args.match):
         print("hostpool exporter: --match needs a non-empty prefix", file=sys.stderr)
         return INVALID
-    # a wrong web config is a ConfigError: one line and exit 2, from main(), before binding
+    # a wrong web config is a ConfigError: one line and exit 2, from main(), before binding.
+    # Read now, before the split: its files (a 0600 key) are read once, as nginx does;
+    # what the listener does with them (TLS, auth) runs unprivileged
     web: WebConfig | None = load(args.web_config_file) if args.web_config_file else None
     absent: procfs.ProcessNotFoundError | None = None
     if args.pid is not None:
@@ -133,20 +168,70 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.node:
         registry.register(HostCollector(scrape_budget=budget))
+    scans = ScanCount()
+    registry.register(scans)
+    # a port in use is an UnavailableError: one line and exit 1, from main(); bound before
+    # the split, so a port below 1024 needs no capability afterwards
+    listening = bind(args.host, args.port)
+
+    def prepare() -> None:
+        listening.close()  # the reader holds no socket but its end of the pair
+        sandbox.enter_reader(listener_uid=args.listener_user[0])
+
+    def render() -> bytes:
+        scans.scans += 1
+        return generate_latest(registry)
+
+    def reader(end: socket.socket) -> None:
+        answer_questions(end, render, min_interval=args.min_scan_interval)
+
+    end, reader_pid = split(prepare, reader)
+    try:
+        return _listen(args, listening, end, reader_pid, web, absent)
+    finally:
+        end.close()
+        end_reader(reader_pid)
+
+
+def _listen(
+    args: argparse.Namespace,
+    listening: socket.socket,
+    end: socket.socket,
+    reader_pid: int,
+    web: WebConfig | None,
+    absent: procfs.ProcessNotFoundError | None,
+) -> int:
+    """The listener's side: drop to the listener user, serve until a signal or until the
+    reader is gone."""
+    from hostpool.metrics.privsep import ReadingLink, health_app, metrics_app
+    from hostpool.net.listener import Listener
+    from hostpool.net.routes import Route, routed_app
+
+    if web is not None and web.users:
+        import bcrypt  # noqa: F401  (imported while the files are ours to read)
+    sandbox.enter_listener(*args.listener_user)
+    stop = threading.Event()
+    stopped_by: list[str] = ["?"]
+    gone: list[str] = []
+
+    def on_gone(why: str) -> None:
+        gone.append(why)
+        stop.set()
+
+    link = ReadingLink(
+        end,
+        min_interval=args.min_scan_interval,
+        answer_within=args.scrape_budget * 1.5 + 1.0,
+        stall_after=STALL_FACTOR * max(args.min_scan_interval, args.scrape_budget),
+    )
     app = routed_app(
         "hostpool exporter",
         [
-            Route(
-                "/metrics", "Prometheus metrics of the watched processes", make_wsgi_app(registry)
-            ),
-            Route("/healthz", "200 ok while the exporter serves", text_app("ok\n")),
+            Route("/metrics", "Prometheus metrics of the watched processes", metrics_app(link)),
+            Route("/healthz", "200 ok while scans finish, else 503 and why", health_app(link)),
         ],
     )
-    # a port in use is an UnavailableError: one line and exit 1, from main()
-    http = Listener(bind(args.host, args.port), web_config=web).serve(app)
-
-    stop = threading.Event()
-    stopped_by: list[str] = ["?"]
+    http = Listener(listening, web_config=web).serve(app)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stopped_by[0] = signal.Signals(signum).name
@@ -154,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    link.start(on_gone)
     events.info(
         "hostpool.exporter_serving",
         url=http.url("/metrics"),
@@ -163,6 +249,9 @@ def run(args: argparse.Namespace) -> int:
         match=args.match,
         node=args.node,
         web=web.describe() if web is not None else None,
+        listener_uid=os.getuid(),
+        reader_pid=reader_pid,
+        min_scan_interval_s=args.min_scan_interval,
     )
     if absent is not None:
         events.info(
@@ -177,6 +266,9 @@ def run(args: argparse.Namespace) -> int:
     while not stop.wait(0.2):
         pass
     http.stop(drain=False)  # a scrape in flight is not waited for: the process ends now
+    if gone and stopped_by[0] == "?":
+        events.error("hostpool.exporter_reader_gone", url=url, reader_pid=reader_pid, why=gone[0])
+        return NOT_NOW
     events.info("hostpool.exporter_stopped", url=url, signal=stopped_by[0])
     return 0
 
@@ -221,6 +313,30 @@ def _pid(text: str) -> int:
 
 def _max_pools(text: str) -> int:
     return _int_in(text, "--max-pools", 2, 10_000)
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--min-scan-interval must be a number of seconds, got {text!r}"
+        ) from None
+    if not 0 <= value <= 3600:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"--min-scan-interval must be 0..3600 seconds, got {text}")
+    return value
+
+
+def _user(text: str) -> tuple[int, int]:
+    """(uid, gid) of a user name or uid; a uid without a name gets the gid of its number."""
+    try:
+        entry = pwd.getpwuid(int(text)) if text.isdigit() else pwd.getpwnam(text)
+    except KeyError:
+        if text.isdigit():
+            uid = _int_in(text, "--listener-user", 0, 2**32 - 2)
+            return uid, uid
+        raise argparse.ArgumentTypeError(f"--listener-user: no user {text!r} here") from None
+    return entry.pw_uid, entry.pw_gid
 
 
 def _budget(text: str) -> float:
