@@ -285,3 +285,14 @@ def test_a_killed_listener_takes_a_stopped_reader_with_it() -> None:
         served.proc.kill()
         served.proc.wait(timeout=waiting.DEADLINE)
         waiting.wait_for(lambda: gone(reader), "the reader killed with its listener")
+
+
+def test_the_scan_count_is_in_the_catalogue() -> None:
+    from tests import dashboard_lint as lint
+
+    documented = lint.load_catalogue()["hostpool_exporter_scans_total"]
+    assert (documented.type, documented.labels) == ("counter", ())
+    with exporter("--match", "hostpool.") as served:
+        text, samples = exporting.scrape(served.url)
+    assert "# TYPE hostpool_exporter_scans_total counter" in text
+    assert exporting.value(samples, "hostpool_exporter_scans_total") == 1
