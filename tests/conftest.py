@@ -23,8 +23,9 @@ HUGEPAGE_COUNTS = "/sys/kernel/mm/hugepages/*/nr_hugepages"
 # directories, torch's compile cache. Anything else new was made by another process on
 # the host meanwhile: reported, never failing the run.
 RUN_NAMES = ("hostpool*", "sem.mp-*", "pymp-*", "torchinductor_*")
-# The runtime directories of runs going on beside this one (each run removes its own).
-NOT_LEFTOVERS = ("hostpool-test-runtime-*",)
+# Never this run's: the runtime directories of runs going on beside this one (each run
+# removes its own), and the benchmarks' (`make bench`: no test runs one).
+NOT_LEFTOVERS = ("hostpool-test-runtime-*", "hostpool-bench-*")
 _before = pytest.StashKey[dict[str, set[tuple[str, int]]]]()
 _runtime_dir = pytest.StashKey[str]()
 

@@ -12,6 +12,7 @@ prints torch's NumPy warning, and a tensor API says what to install.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -178,10 +179,13 @@ def test_the_clean_venv_holds_no_torch(clean_venv: Path) -> None:
     assert "0.1.0" in hostpool_in(clean_venv, "--version").stdout
 
 
-def test_shm_and_doctor_run_without_torch(clean_venv: Path) -> None:
+def test_shm_doctor_inspect_reap_and_run_work_without_torch(clean_venv: Path) -> None:
     view = json.loads(hostpool_in(clean_venv, "shm", "--json").stdout)
     assert {"objects", "totals"} <= set(view)
     assert "auto would choose" in hostpool_in(clean_venv, "doctor").stdout
+    assert f"pid={os.getpid()}" in hostpool_in(clean_venv, "inspect", str(os.getpid())).stdout
+    hostpool_in(clean_venv, "reap")  # a dry run: lists what it would remove
+    hostpool_in(clean_venv, "run", "--", sys.executable, "-c", "pass")
 
 
 def test_a_tensor_api_without_torch_says_what_to_install(clean_venv: Path) -> None:
