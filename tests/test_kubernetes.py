@@ -30,8 +30,9 @@ KUBE = ROOT / "deploy" / "kubernetes"
 EXAMPLES = sorted(p for p in (KUBE / "examples").iterdir() if p.is_dir())
 CRDS = ROOT / "tests" / "data" / "prometheus-operator"
 KUBERNETES_VERSION = "1.32.0"
-# What the exporter needs to read other processes' /proc (measured: docs/kubernetes.md)
-CAPABILITIES = ["SYS_PTRACE", "DAC_READ_SEARCH"]
+# What the exporter needs to read other processes' /proc (measured: docs/kubernetes.md),
+# and to split itself: the listener's change to uid 65534 (docs/security.md)
+CAPABILITIES = ["SYS_PTRACE", "DAC_READ_SEARCH", "SETUID", "SETGID"]
 
 needs_kubectl = pytest.mark.skipif(
     shutil.which("kubectl") is None, reason="kubectl not installed: `make kubectl` installs it"
@@ -360,15 +361,39 @@ def test_exporter_daemonset_reads_the_host_with_the_fewest_capabilities(
     assert security["privileged"] is False and security["allowPrivilegeEscalation"] is False
     assert security["readOnlyRootFilesystem"] is True
     assert security["capabilities"] == {"drop": ["ALL"], "add": CAPABILITIES}
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "hostNetwork" not in pod and "hostPort" not in container["ports"][0]
     args = container["args"]
     assert args[:2] == ["exporter", "--node"]
     (port,) = container["ports"]
     assert port["name"] == "metrics"
     assert args[args.index("--port") + 1] == str(port["containerPort"])
+    # the pod's own address, from the downward API: never 0.0.0.0, never the node's
+    assert args[args.index("--host") + 1] == "$(POD_IP)"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert args[args.index("--listener-user") + 1] == "65534"
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     resources = container["resources"]
     assert set(resources["requests"]) == set(resources["limits"]) == {"cpu", "memory"}
+
+
+def test_only_the_monitoring_namespace_reaches_the_exporter(fleet: list[dict[str, Any]]) -> None:
+    """The NetworkPolicy selects the DaemonSet's pods: in, only from the monitoring
+    namespace and only to the metrics port; out, nothing."""
+    (daemonset,) = by_kind(fleet, "DaemonSet")
+    (policy,) = by_kind(fleet, "NetworkPolicy")
+    spec = policy["spec"]
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert spec["podSelector"]["matchLabels"].items() <= labels.items()
+    assert spec["policyTypes"] == ["Ingress", "Egress"] and spec["egress"] == []
+    (rule,) = spec["ingress"]
+    assert rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": container["ports"][0]["name"]}]
 
 
 def test_exporter_runs_on_every_node_first_in_line(fleet: list[dict[str, Any]]) -> None:

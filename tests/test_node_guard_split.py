@@ -296,3 +296,30 @@ def test_the_scan_count_is_in_the_catalogue() -> None:
         text, samples = exporting.scrape(served.url)
     assert "# TYPE hostpool_exporter_scans_total counter" in text
     assert exporting.value(samples, "hostpool_exporter_scans_total") == 1
+
+
+@root_only
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="no setpriv")
+def test_with_the_daemonsets_capabilities_the_split_is_the_same() -> None:
+    """As deploy/kubernetes runs it: uid 0 with only the capabilities the manifest adds
+    (bounding, permitted, effective): the listener still becomes 65534 with none, the
+    reader keeps the two it reads with."""
+    import yaml
+
+    manifest = yaml.safe_load((ROOT / "deploy/kubernetes/exporter-daemonset.yaml").read_text())
+    (container,) = manifest["spec"]["template"]["spec"]["containers"]
+    added = [c.lower() for c in container["securityContext"]["capabilities"]["add"]]
+    only = ["setpriv", "--bounding-set=-all," + ",".join(f"+{c}" for c in added)]
+    with exporter("--node", "--listener-user", "65534", prefix=tuple(only)) as served:
+        assert get(served.url)[0] == 200
+        listener = sandbox.state(served.proc.pid)
+        reader = sandbox.state(served.serving["reader_pid"])
+    assert listener["Uid"] == "65534 65534 65534 65534", listener
+    assert listener["CapPrm"] == listener["CapEff"] == NONE, listener
+    assert reader["Uid"] == "0 0 65534 0", reader
+    assert reader["CapPrm"] == reader["CapEff"] == READER_CAPS, reader
+    # without CAP_SETPCAP the bounding set stays the container's (no_new_privs and the
+    # filter's refused execve make it grant nothing)
+    numbers = {"sys_ptrace": 19, "dac_read_search": 2, "setuid": 7, "setgid": 6}
+    assert reader["CapBnd"] == f"{sum(1 << numbers[c] for c in added):016x}", reader
+    assert reader["Seccomp"] == "2" and reader["NoNewPrivs"] == "1"
