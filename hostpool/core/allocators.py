@@ -99,7 +99,7 @@ class HostTensorAllocator:
         except HostPoolError as exc:
             self.count_failure(exc, started)
             raise
-        holder, _region = self._allocate_holder(nbytes, (nbytes,), "uint8", started)
+        holder, _region = self._allocate_holder(nbytes, (nbytes,), "torch.uint8", started)
         return self._retain(holder)
 
     def _retain(self, memory: _M) -> _M:
