@@ -108,6 +108,8 @@ def broker(tmp_path: os.PathLike[str]) -> Iterator[tuple[Served, str]]:
 def test_a_lease_is_exclusive_and_outlives_its_lessee(broker: tuple[Served, str]) -> None:
     served, sock = broker
     assert _metric(served, "hostpool_broker_leases", pool="kv") == 0
+    started = [json.loads(x) for x in served.log().splitlines() if "hostpool.broker_started" in x]
+    assert started and "every pool is new" in started[0]["cold"]  # a broker start is cold
     first = Lessee(sock, "kv", "fill")
     try:
         # the pool's four 4 MiB chunks, mapped side by side at one address

@@ -305,7 +305,13 @@ def test_catalogue_matches_the_library() -> None:
     }
     # the exporter's (--node's too) and `hostpool serve`'s own metrics are not the library
     # collector's (tests/test_exporter_node.py checks the node view's against its collector)
-    own = ("hostpool_exporter_", "hostpool_host_", "hostpool_serve_", "hostpool_vllm_")
+    own = (
+        "hostpool_exporter_",
+        "hostpool_host_",
+        "hostpool_serve_",
+        "hostpool_vllm_",
+        "hostpool_broker_",
+    )
     library = {k: v for k, v in catalogue.items() if not k.startswith(own)}
     assert library == exported
 

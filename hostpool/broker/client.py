@@ -18,6 +18,7 @@ import mmap
 import os
 import socket
 import struct
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,23 @@ def map_side_by_side(fds: list[int], sizes: list[int]) -> int:
     return base
 
 
+class MappingHolder:
+    """Owns a mapping of `size` bytes at `address`: unmapped when this object is
+    collected. Arrays made by `array()` keep it alive."""
+
+    def __init__(self, address: int, size: int) -> None:
+        self.address, self.size = address, size
+        weakref.finalize(self, _libc.munmap, address, size)
+
+    def array(self, offset: int, nbytes: int) -> ctypes.Array[ctypes.c_ubyte]:
+        """A ctypes array over [offset, offset + nbytes) that keeps this holder alive."""
+        if offset < 0 or nbytes <= 0 or offset + nbytes > self.size:
+            raise ShareError(f"[{offset}, {offset + nbytes}) is outside a {self.size}-byte mapping")
+        view = (ctypes.c_ubyte * nbytes).from_address(self.address + offset)
+        view.holder = self  # type: ignore[attr-defined]  # ctypes instances take attributes
+        return view
+
+
 @dataclass
 class Lease:
     """A pool leased from the broker: `size` bytes at `address` (regions of `sizes` bytes,
@@ -91,6 +109,17 @@ class Lease:
         if not self.address:
             raise ShareError(f"the lease of {self.pool!r} is closed")
         return (ctypes.c_ubyte * self.size).from_address(self.address)
+
+    def hand_over(self) -> MappingHolder:
+        """Hand the mapping to a holder: from now on it is unmapped when the holder is
+        collected (views over it keep the holder: `holder.array(offset, nbytes)`), not by
+        `close()`, which then only ends the lease. For memory handed to code that may
+        keep views past the lease (an engine's tensors)."""
+        if not self.address:
+            raise ShareError(f"the lease of {self.pool!r} has no mapping to hand over")
+        holder = MappingHolder(self.address, self.size)
+        self.address = 0
+        return holder
 
     def report(
         self,

@@ -49,6 +49,16 @@ class Broker(PoolShareServer):
         self._indexes: dict[str, ShmFile] = {}  # pool -> its metadata memfd
         self._closing: set[int] = set()  # peers whose connection is ending
 
+    def start(self) -> Broker:
+        super().start()
+        events.info(
+            "hostpool.broker_started",
+            path=self.path,
+            pools=sorted(self.manager.pools),
+            cold="every pool is new: no lease, index or content of an earlier broker is kept",
+        )
+        return self
+
     def close(self) -> None:
         super().close()
         for shm in self._indexes.values():

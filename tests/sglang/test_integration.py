@@ -462,8 +462,14 @@ def _dashboard_server_series() -> set[str]:
         names |= lint.metric_names(expr)
     # Not an engine's series: hostpool_exporter_* and hostpool_host_* come from `hostpool
     # exporter` (--node), hostpool_serve_* from `hostpool serve`, hostpool_vllm_* from the
-    # vLLM metrics route only.
-    others = ("hostpool_exporter_", "hostpool_host_", "hostpool_serve_", "hostpool_vllm_")
+    # vLLM metrics route only, hostpool_broker_* from `hostpool serve` as the broker.
+    others = (
+        "hostpool_exporter_",
+        "hostpool_host_",
+        "hostpool_serve_",
+        "hostpool_vllm_",
+        "hostpool_broker_",
+    )
     return {n for n in names if n.startswith("hostpool_") and not n.startswith(others)}
 
 

@@ -5,6 +5,8 @@ broker's pool; an engine of another model config adopts nothing."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -12,9 +14,10 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
-from tests import waiting
+from tests import helpers, waiting
 from tests.test_serve import Served, start_serve
 from tests.vllm.server import TINY_LLAMA, VllmServer, offloading_config, running_server
 from tests.vllm.test_spec_server import samples
@@ -43,6 +46,57 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("engine")
 
 
+def engine_env(workdir: Path) -> dict[str, str]:
+    """vLLM's own temporary files (its `vllm_dist_*` init file) in the test's directory."""
+    tmp = workdir / "tmp"
+    tmp.mkdir(exist_ok=True)
+    return {"TMPDIR": str(tmp)}
+
+
+def devshm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def remove_what_the_killed_engine_left(before: set[str]) -> list[str]:
+    """vLLM's shared-memory message queues (`/dev/shm/psm_*`, 400 MiB here) outlive a
+    SIGKILL (nobody unlinks them): remove those that appeared since `before` and that no
+    process holds, proven by the kernel (a write lease is refused while any process has
+    the file open or mapped), as `hostpool reap` does. Returns what was removed."""
+    removed = []
+    for name in sorted(devshm() - before):
+        if not name.startswith("psm_"):
+            continue
+        path = f"/dev/shm/{name}"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        except OSError:
+            os.close(fd)
+            continue  # held: another live process's, not the killed engine's
+        try:
+            os.unlink(path)
+            removed.append(name)
+        finally:
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+            os.close(fd)
+    return removed
+
+
+def pool_objects(served: Served) -> dict[str, set[int]]:
+    """`hostpool shm --json`: the broker pool's memfds and the pids that hold each."""
+    done = helpers.hostpool("shm", "--json")
+    assert done.returncode in (0, 1), done.stderr
+    return {
+        o["name"]: {h["pid"] for h in o["holders"]}
+        for o in json.loads(done.stdout)["objects"]
+        if o["kind"] == "memfd" and o["name"].startswith("hostpool.kvoff.")
+    }
+
+
 def engine_args(sock: str) -> list[str]:
     config = offloading_config({"hostpool_broker": sock, "hostpool_pool": "kvoff"})
     return ["--kv-transfer-config", json.dumps(config)]
@@ -53,9 +107,13 @@ def external_hits(server: VllmServer) -> float:
 
 
 def kill_group(server: VllmServer) -> None:
-    """SIGKILL the server's whole process group (API server, EngineCore, Worker)."""
+    """SIGKILL the server's whole process group (API server, EngineCore, Worker), and
+    wait until every one of them is gone."""
+    tree = server.processes()
     os.killpg(server.proc.pid, signal.SIGKILL)
     server.proc.wait(timeout=waiting.DEADLINE)
+    _, alive = psutil.wait_procs(tree, timeout=waiting.DEADLINE)
+    assert not alive, alive
 
 
 def broker_metric(served: Served, name: str, **labels: str) -> float:
@@ -73,21 +131,34 @@ def test_a_killed_engine_restarts_onto_its_host_cache(
     allocated = broker_metric(
         served, "hostpool_allocated_bytes", allocator="shm", page_size="4KiB", pool="kvoff"
     )
-    with running_server(workdir, engine_args(sock)) as first:
+    shm_before = devshm()
+    env = engine_env(workdir)
+    with running_server(workdir, engine_args(sock), env=env) as first:
         tokens = [first.complete(p)["choices"][0]["token_ids"] for p in PROMPTS]
         stored = sum(samples(first.metrics(), "vllm:kv_offload_store_bytes_total").values())
         assert stored > 0, f"vLLM stored nothing to the broker's pool:\n{first.tail()}"
         assert broker_metric(served, "hostpool_broker_leases", pool="kvoff") == 2
-        kill_group(first)
+        objects = pool_objects(served)
+        worker = first.worker_pid()
+        try:
+            kill_group(first)
+        finally:
+            remove_what_the_killed_engine_left(shm_before)
+    # the pool is one memfd of the broker's, which the killed worker held too
+    assert len(objects) == 1 and all({served.proc.pid, worker} <= h for h in objects.values())
     waiting.wait_for(
         lambda: served.log().count("hostpool.broker_lease_ended") >= 2,
         "the broker to end both leases of the killed engine",
     )
     assert broker_metric(served, "hostpool_broker_leases", pool="kvoff") == 0
-    with running_server(workdir, engine_args(sock)) as second:
+    with running_server(workdir, engine_args(sock), env=env) as second:
         again = second.complete(PROMPTS[0])["choices"][0]["token_ids"]
         hits = external_hits(second)
         log = second.log()
+        # the same object, no new one: held by the broker and the new worker now
+        restarted = pool_objects(served)
+        assert set(restarted) == set(objects)
+        assert all({served.proc.pid, second.worker_pid()} <= h for h in restarted.values())
         second.stop()
     adopted = ADOPTED.search(log)
     assert adopted, f"no adoption line in the restarted engine's log:\n{log[-4000:]}"
@@ -110,7 +181,7 @@ def test_another_model_config_adopts_nothing(broker: tuple[Served, str], workdir
     """The same weights (dummy, seeded) under a config.json that differs: the identity's
     model_config_digest differs, nothing is adopted, and the tokens are still right."""
     served, sock = broker
-    with running_server(workdir, engine_args(sock)) as base:
+    with running_server(workdir, engine_args(sock), env=engine_env(workdir)) as base:
         tokens = base.complete(PROMPTS[1])["choices"][0]["token_ids"]
         base.stop()
 
@@ -124,7 +195,7 @@ def test_another_model_config_adopts_nothing(broker: tuple[Served, str], workdir
     discarded = broker_metric(
         served, "hostpool_broker_discarded_blocks_total", pool="kvoff", reason="identity"
     ) if "reason=\"identity\"" in served.get("/metrics")[1] else 0.0  # fmt: skip
-    with running_server(workdir, command=changed) as other:
+    with running_server(workdir, command=changed, env=engine_env(workdir)) as other:
         again = other.complete(PROMPTS[1])["choices"][0]["token_ids"]
         hits = external_hits(other)
         log = other.log()

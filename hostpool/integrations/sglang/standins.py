@@ -4,13 +4,54 @@ release, and the multiprocess publisher started at the first tracked allocation.
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any
 
+from hostpool.errors import ShareError
 from hostpool.integrations.sglang import internals
 from hostpool.integrations.sglang.labels import current_pool, pool_name
 from hostpool.integrations.sglang.rules import mmap_options
 
 FOREIGN_KINDS = ("mooncake", "tensorcast", "mori")
+# `hostpool serve --share-socket PATH`: the stand-ins take every pool's memory from there
+BROKER_VARIABLE = "HOSTPOOL_BROKER"
+ALIGN = 4096
+
+
+class BrokerPool:
+    """A pool of the broker leased by a stand-in allocator: its allocations are carved from
+    the leased memory in order (page-aligned), so an engine restarted with the same pools
+    gets each buffer at the same offset. Memory only: no index; the lease ends at
+    `close()`, each buffer's mapping with its last view."""
+
+    def __init__(self, path: str, pool: str) -> None:
+        from hostpool.broker.client import lease
+
+        self.pool = pool
+        self.lease = lease(path, pool)
+        self.size = self.lease.size
+        self.mapping = self.lease.hand_over()
+        self.used = 0
+
+    def allocate(self, dims: tuple[int, ...], dtype: Any) -> Any:
+        import torch
+
+        count = math.prod(dims)
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        start = -(-self.used // ALIGN) * ALIGN
+        if nbytes <= 0 or start + nbytes > self.size:
+            raise ShareError(
+                f"broker pool {self.pool!r} holds {self.size} bytes, {start} already given "
+                f"to this allocator's buffers; {nbytes} more asked ({list(dims)} {dtype}): "
+                "give the pool more (`hostpool serve --pool NAME=SIZE`)"
+            )
+        self.used = start + nbytes
+        view = self.mapping.array(start, nbytes)
+        return torch.frombuffer(view, dtype=dtype, count=count).view(dims)
+
+    def close(self) -> None:
+        self.lease.close()
 
 
 def allocator_classes(base: type) -> tuple[type, type]:
@@ -25,6 +66,7 @@ def allocator_classes(base: type) -> tuple[type, type]:
         def __init__(self) -> None:
             super().__init__()
             self.hostpool_allocator: allocators.HostTensorAllocator | None = None
+            self.broker_pool: BrokerPool | None = None
 
         def allocate(self, dims: tuple[int, ...], dtype: Any, device: str) -> Any:
             assert device == "cpu", (
@@ -32,6 +74,11 @@ def allocator_classes(base: type) -> tuple[type, type]:
             )
             self.dtype = dtype
             self.dims = dims
+            broker = os.environ.get(BROKER_VARIABLE)
+            if broker:  # memory only: the broker's pool of the same name, carved in order
+                if self.broker_pool is None:
+                    self.broker_pool = BrokerPool(broker, current_pool(self))
+                return self.broker_pool.allocate(dims, dtype)
             tensor = self._hostpool(current_pool(self)).allocate(dims, dtype)
             self._made(tensor)
             publish_metrics()
@@ -50,9 +97,12 @@ def allocator_classes(base: type) -> tuple[type, type]:
             """Hook for the shm allocator's fds/mms."""
 
         def close(self) -> None:
-            """Release every region explicitly (sglang's `destroy()` calls this)."""
+            """Release every region explicitly (sglang's `destroy()` calls this); a
+            broker's pool: end the lease (the broker keeps the memory)."""
             if self.hostpool_allocator is not None:
                 self.hostpool_allocator.close()
+            if self.broker_pool is not None:
+                self.broker_pool.close()
 
     class ShmHostTensorAllocator(HostTensorAllocator):
         """sglang's shm allocator on hostpool memfds: `fds`/`mms` hold every allocation

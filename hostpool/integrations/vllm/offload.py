@@ -117,7 +117,10 @@ class BrokerRegion:
                 "pool at least that size (`hostpool serve --pool NAME=SIZE`) or lower "
                 "cpu_bytes_to_use"
             )
-        flat = torch.frombuffer(self.lease.buffer(), dtype=torch.int8, count=self.nbytes)
+        # The mapping goes with the last view, not at release: a view vLLM still holds
+        # then stays valid (the pages are the broker's either way).
+        mapped = self.lease.hand_over().array(0, self.nbytes)
+        flat = torch.frombuffer(mapped, dtype=torch.int8, count=self.nbytes)
         self.tensor: torch.Tensor | None = flat.view(num_chunks, row_bytes)
 
     @property
@@ -127,8 +130,8 @@ class BrokerRegion:
         return self.tensor
 
     def release(self) -> None:
-        """End the lease: unmap once every view of this worker is dropped (the callers'
-        shutdown clears theirs first)."""
+        """End the lease (the broker keeps the memory); the mapping goes with the last
+        view of it."""
         if self.tensor is None:
             return
         self.tensor = None

@@ -36,6 +36,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from hostpool.broker.client import Lease, lease
 from hostpool.broker.index import KVIndex, index_bytes
+from hostpool.errors import HostPoolError
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -119,7 +120,16 @@ class BrokerIndexManager(CPUOffloadingManager):  # type: ignore[misc]  # untyped
         if self._chunks <= 0:
             return
         size = index_bytes(self._chunks)
-        self.lease = lease(self.broker, self.pool, memory=False, index_bytes=size)
+        try:
+            self.lease = lease(self.broker, self.pool, memory=False, index_bytes=size)
+        except HostPoolError as exc:  # serve on without an index: nothing kept, nothing wrong
+            logger.warning(
+                "hostpool: no broker index for pool %s (%s): this engine's host cache will "
+                "not be adopted by the next one",
+                self.pool,
+                exc,
+            )
+            return
         assert self.lease.index is not None
         mine = identity(self._config, self._spec)
         index, adoption = KVIndex.open(self.lease.index, self._chunks, mine)
