@@ -8,6 +8,7 @@ k-1..0 in reverse. Tests install a fake runtime with `set_runtime`.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Protocol
 
 from hostpool.base.units import page_spans
@@ -27,8 +28,13 @@ class TorchCudaRuntime:
     """cudaHostRegister through torch's bundled cudart (no extra dependency)."""
 
     def available(self) -> bool:
+        """Whether torch is installed, built with CUDA, and sees a device. Where torch is
+        first imported here (`hostpool doctor`), its warning about a missing NumPy, which
+        it never needs for this, is not printed."""
         try:
-            import torch
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+                import torch
         except ImportError:
             return False
         return bool(torch.cuda.is_available())
