@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import pytest
 from prometheus_client import CollectorRegistry
 
+from hostpool.host.bounds import PHASES
 from hostpool.host.model import (
     AREAS,
     ENGINES,
@@ -47,6 +48,7 @@ LABEL_VALUES = {
     "kind": set(OBJECT_KINDS),
     "state": {"held", "orphaned"},
     "area": {"", *AREAS},
+    "phase": set(PHASES),
 }
 POD_A, POD_B = "0b6f1c2e-1111-4222-8333-444455556666", "7d1e2f3a-1111-4222-8333-444455556666"
 

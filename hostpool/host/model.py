@@ -156,12 +156,15 @@ class HostView:
     """One scan of the host: every object found and the totals. `unreadable`: processes
     this user may not read (their holdings are missing: objects only they hold look
     orphaned); `complete`: False whenever anything was skipped for a reason other than
-    ENOENT (a deadline, EMFILE, EACCES on a directory, ...)."""
+    ENOENT (a deadline, EMFILE, EACCES on a directory, a mount not walked, ...);
+    `truncated_phase`: the phase whose time budget ran out (`host/bounds`: mountinfo,
+    processes, tmpfs, sysv), None when none did."""
 
     objects: tuple[HostObject, ...]
     totals: HostTotals
     unreadable: int = 0
     complete: bool = True
+    truncated_phase: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {

@@ -23,13 +23,16 @@ import os
 import re
 import stat
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Final
 
+from hostpool.host import bounds, mountinfo
+from hostpool.host.bounds import Budget
 from hostpool.host.model import Area
+from hostpool.host.mountinfo import SHM_FSTYPES, MountEntry, parse_mountinfo, unescape
 
-SHM_FSTYPES: Final = frozenset({"tmpfs", "devtmpfs", "hugetlbfs"})
-_OCTAL: Final = re.compile(r"\\([0-7]{3})")
+__all__ = ["SHM_FSTYPES", "MountEntry", "TmpfsMount", "parse_mountinfo", "superblocks",
+           "tmpfs_dirs", "unescape", "walk"]  # fmt: skip
 # kubelet: <root dir, /var/lib/kubelet by default>/pods/<uid>/volumes/kubernetes.io~KIND/<name>
 _KUBELET_VOLUME: Final = re.compile(r"/pods/[^/]+/volumes/kubernetes\.io~([^/]+)/[^/]+$")
 # a pod sandbox's or container's own /dev/shm tmpfs, as each runtime names its mount point:
@@ -86,6 +89,8 @@ class TmpfsMount:
     pid: int | None
     fs_root: str = "/"  # the directory of the filesystem mounted there (bind mounts)
     views: tuple[View, ...] = ()  # every mount of the superblock, in any namespace
+    # the mount points below this one in its namespace, relative to it: never entered
+    skip: frozenset[str] = field(default_factory=frozenset)
 
     @property
     def hugetlb(self) -> bool:
@@ -95,45 +100,6 @@ class TmpfsMount:
         """The area of the file `name` (its path below this mount's root)."""
         base = self.fs_root.rstrip("/")
         return area_of(self.views, f"{base}/{name}")
-
-
-@dataclass(frozen=True, slots=True)
-class MountEntry:
-    """A shared-memory mount line of a mountinfo file."""
-
-    st_dev: int
-    fs_root: str
-    mountpoint: str
-    fstype: str
-
-
-def unescape(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as octal (`\\040`)."""
-    return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), field) if "\\" in field else field
-
-
-def parse_mountinfo(data: bytes) -> list[MountEntry]:
-    """The tmpfs, devtmpfs and hugetlbfs mounts of a mountinfo file (proc(5)); lines
-    split on `\\n` only."""
-    out = []
-    for line in data.split(b"\n"):
-        head, sep, tail = line.partition(b" - ")
-        if not sep:
-            continue
-        fstype = tail.split(b" ", 1)[0].decode(errors="surrogateescape")
-        if fstype not in SHM_FSTYPES:
-            continue
-        fields = head.split(b" ")
-        if len(fields) < 5:
-            continue
-        major, _, minor = fields[2].partition(b":")
-        try:
-            dev = os.makedev(int(major), int(minor))
-        except ValueError:
-            continue
-        root, mountpoint = (unescape(f.decode(errors="surrogateescape")) for f in fields[3:5])
-        out.append(MountEntry(dev, root, mountpoint, fstype))
-    return out
 
 
 @dataclass
@@ -167,11 +133,16 @@ def _ns(pid: int | str) -> str | None:
 class Superblocks:
     """The shared-memory superblocks of every namespace: one reachable TmpfsMount each
     (ours first, then each other namespace's; a whole filesystem before a bind mount of
-    part of it), and the fstype and views of every one seen, reachable or not."""
+    part of it; none reached through a mount of a non-local type: `bounds`), and the
+    fstype and views of every one seen, reachable or not. `avoided`: why a superblock
+    has no way that is safe to walk; `complete`: False when a table was cut short (the
+    budget) or had more views than kept, or a superblock was avoided."""
 
     mounts: list[TmpfsMount]
     fstypes: dict[int, str]
     views: dict[int, tuple[View, ...]]
+    avoided: dict[int, str] = field(default_factory=dict)
+    complete: bool = True
 
     def area(self, dev: int) -> Area:
         """The area of a file on `dev` whose path is unknown (unlinked, or on a mount
@@ -179,36 +150,69 @@ class Superblocks:
         return area_of(tuple(("/", area) for _root, area in self.views.get(dev, ())), "/")
 
 
-def superblocks(namespaces: Namespaces) -> Superblocks:
-    """Every namespace's mountinfo read once (see Superblocks)."""
-    candidates: list[TmpfsMount] = []
+def superblocks(namespaces: Namespaces, budget: Budget | None = None) -> Superblocks:
+    """Every namespace's mountinfo read once, as a stream (`host/mountinfo`), within
+    `budget` (see Superblocks)."""
+    budget = budget if budget is not None else Budget()
     sources: list[tuple[int | None, str]] = [(None, "/proc/self/mountinfo")]
     sources += [(pid, f"/proc/{pid}/mountinfo") for pid in namespaces.members.values()]
+    fstypes: dict[int, str] = {}
+    views: dict[int, set[View]] = {}
+    chosen: dict[int, tuple[tuple[bool, int], TmpfsMount]] = {}
+    avoided: dict[int, str] = {}
+    complete = True
     for pid, path in sources:
+        if budget.spent("mountinfo"):
+            complete = False
+            break
         try:
-            with open(path, "rb") as f:
-                entries = parse_mountinfo(f.read())
+            table = mountinfo.read_table(path, budget, mount_area)
         except OSError:
             continue  # gone, or not ours to read
-        for e in entries:
-            root = e.mountpoint if pid is None else f"/proc/{pid}/root{e.mountpoint}"
-            candidates.append(TmpfsMount(root, e.st_dev, e.mountpoint, e.fstype, pid, e.fs_root))
-    fstypes = {m.st_dev: m.fstype for m in candidates}
-    views: dict[int, set[View]] = {}
-    for m in candidates:
-        views.setdefault(m.st_dev, set()).add((m.fs_root, mount_area(m.mountpoint, m.fstype)))
+        fstypes.update(table.fstypes)
+        for dev, seen in table.views.items():
+            views.setdefault(dev, set()).update(seen)  # type: ignore[arg-type]
+        if not table.complete:
+            complete = False
+            if budget.truncated:
+                continue  # a table cut short: what lies on the way is unknown
+        for dev, entries in table.candidates.items():
+            _choose(pid, dev, entries, table, chosen, avoided)
     frozen = {dev: tuple(sorted(v)) for dev, v in views.items()}
-    chosen: dict[int, TmpfsMount] = {}
-    for mount in sorted(candidates, key=lambda m: (m.pid is not None, len(m.fs_root))):
-        if mount.st_dev in chosen:
+    mounts = [replace(m, views=frozen[m.st_dev]) for _key, m in chosen.values()]
+    avoided = {dev: why for dev, why in avoided.items() if dev not in chosen}
+    return Superblocks(mounts, fstypes, frozen, avoided, complete and not avoided)
+
+
+def _choose(
+    pid: int | None,
+    dev: int,
+    entries: list[MountEntry],
+    table: mountinfo.Table,
+    chosen: dict[int, tuple[tuple[bool, int], TmpfsMount]],
+    avoided: dict[int, str],
+) -> None:
+    """The first of a namespace's ways to `dev` that is safe and reaches it, kept if it
+    beats the one chosen so far (ours first, then the shortest fs_root)."""
+    for e in entries:
+        key = (pid is not None, len(e.fs_root))
+        if dev in chosen and chosen[dev][0] <= key:
+            return
+        way = bounds.unsafe_on_the_way(e.mountpoint, table.unsafe)
+        if way is not None:
+            where = "our namespace" if pid is None else f"the mount namespace of pid {pid}"
+            avoided.setdefault(dev, f"{e.mountpoint} in {where} lies on or under {way}, "
+                                    "a mount of a type that may stall (not walked)")  # fmt: skip
             continue
+        root = e.mountpoint if pid is None else f"/proc/{pid}/root{e.mountpoint}"
         try:  # hidden under another mount: this path reaches something else
-            if os.stat(mount.root).st_dev != mount.st_dev:
+            if os.stat(root).st_dev != dev:
                 continue
         except OSError:
             continue
-        chosen[mount.st_dev] = replace(mount, views=frozen[mount.st_dev])
-    return Superblocks(list(chosen.values()), fstypes, frozen)
+        skip = bounds.below(e.mountpoint, table.points)
+        chosen[dev] = key, TmpfsMount(root, dev, e.mountpoint, e.fstype, pid, e.fs_root, skip=skip)
+        return
 
 
 def pids() -> list[int]:
@@ -239,13 +243,19 @@ _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_DEPTH: Final = 64
 
 
-def walk(mount: TmpfsMount, skipped: list[OSError]) -> Iterator[TmpfsFile]:
-    """Every regular file on `mount` (not below other mounts), through directory fds:
-    symlinks are never followed, a directory or file gone meanwhile (ENOENT) is skipped;
-    anything else skipped (EACCES, EMFILE, ELOOP, a directory deeper than MAX_DEPTH) is
-    added to `skipped`. Each directory is listed whole and its listing closed before the
-    walk descends: it holds one fd per level, whatever the tree's width."""
-    top = _open_dir(mount.root, None, skipped)
+def walk(
+    mount: TmpfsMount, skipped: list[OSError], budget: Budget | None = None
+) -> Iterator[TmpfsFile]:
+    """Every regular file on `mount` (never below other mounts: the mount points of
+    `mount.skip` are passed by name, never stat-ed), through directory fds: symlinks
+    are never followed, a directory or file gone meanwhile (ENOENT) is skipped; anything
+    else skipped (EACCES, EMFILE, ELOOP, a directory deeper than MAX_DEPTH) is added to
+    `skipped`. It stops where `budget` is spent (checked at every entry: the budget then
+    says `tmpfs`). A directory is read as a stream (its files yielded as they come, its
+    subdirectories' names kept) and closed before the walk descends: one fd per level
+    and no listing held, whatever the tree's width."""
+    budget = budget if budget is not None else Budget()
+    top = None if budget.spent("tmpfs") else _open_dir(mount.root, None, skipped)
     if top is None:
         return
     root = mount.root.rstrip("/")
@@ -253,12 +263,13 @@ def walk(mount: TmpfsMount, skipped: list[OSError]) -> Iterator[TmpfsFile]:
     chain: list[tuple[int, str, Iterator[str]]] = []
     fd: int | None = top
     rel = ""
+    where = _Where(mount.st_dev, root, mount.skip, budget)
     try:
         while fd is not None:
-            subdirs = yield from _files_in(mount.st_dev, root, fd, rel, skipped)
+            subdirs = yield from _files_in(where, fd, rel, skipped)
             chain.append((fd, rel, iter(subdirs)))
             fd = None
-            while chain and fd is None:
+            while chain and fd is None and not budget.truncated:
                 parent, prel, rest = chain[-1]
                 name = next(rest, None)
                 if name is None:
@@ -276,6 +287,16 @@ def walk(mount: TmpfsMount, skipped: list[OSError]) -> Iterator[TmpfsFile]:
             os.close(fd)
 
 
+@dataclass(frozen=True, slots=True)
+class _Where:
+    """What a walk checks at each entry: its device, path, mount points, budget."""
+
+    dev: int
+    root: str
+    skip: frozenset[str]
+    budget: Budget
+
+
 def _open_dir(name: str, dir_fd: int | None, skipped: list[OSError]) -> int | None:
     try:
         return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
@@ -287,31 +308,36 @@ def _open_dir(name: str, dir_fd: int | None, skipped: list[OSError]) -> int | No
 
 
 def _files_in(
-    dev: int, root: str, dir_fd: int, rel: str, skipped: list[OSError]
+    where: _Where, dir_fd: int, rel: str, skipped: list[OSError]
 ) -> Generator[TmpfsFile, None, list[str]]:
-    """The regular files of one directory; returns its subdirectories' names."""
+    """The regular files of one directory, as they are read; returns its subdirectories'
+    names ([] when the budget ran out in it)."""
+    subdirs: list[str] = []
+    dev, skip, budget = where.dev, where.skip, where.budget
     try:
         with os.scandir(dir_fd) as listing:
-            entries = list(listing)
+            for entry in listing:
+                if budget.spent("tmpfs"):
+                    return []
+                name = f"{rel}/{entry.name}" if rel else entry.name
+                if skip and name in skip:
+                    continue  # another mount (or this one's again): walked on its own
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # gone since the listing
+                except OSError as exc:
+                    skipped.append(exc)
+                    continue
+                if st.st_dev != dev:
+                    continue  # another mount on top of this directory: walked on its own
+                if stat.S_ISREG(st.st_mode):
+                    yield name, f"{where.root}/{name}", st
+                elif stat.S_ISDIR(st.st_mode):
+                    subdirs.append(entry.name)
     except FileNotFoundError:
         return []
     except OSError as exc:
         skipped.append(exc)
         return []
-    subdirs = []
-    for entry in entries:
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue  # gone since the listing
-        except OSError as exc:
-            skipped.append(exc)
-            continue
-        if st.st_dev != dev:
-            continue  # another mount on top of this directory: walked on its own
-        name = f"{rel}/{entry.name}" if rel else entry.name
-        if stat.S_ISREG(st.st_mode):
-            yield name, f"{root}/{name}", st
-        elif stat.S_ISDIR(st.st_mode):
-            subdirs.append(entry.name)
     return subdirs

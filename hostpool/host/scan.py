@@ -20,23 +20,13 @@ import stat
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from hostpool.host import mounts
-from hostpool.host.engines import engine_of, pool_of
-from hostpool.host.model import (
-    ORPHAN_AREAS,
-    Area,
-    Engine,
-    Holder,
-    HostObject,
-    HostTotals,
-    HostView,
-    Identity,
-    ObjectKind,
-)
+from hostpool.host.bounds import Budget
+from hostpool.host.model import Holder, HostObject, HostTotals, HostView, Identity, ObjectKind
 from hostpool.host.mounts import TmpfsMount, pids, tmpfs_dirs
 from hostpool.host.pods import Pods
+from hostpool.host.sink import Collected, ObjectSink, Seen, Tally, make_object, newest
 from hostpool.host.sysv import Segment, read_segments
 from hostpool.proc.hostread import (
     HROW_CTIME,
@@ -103,47 +93,32 @@ def _changed(row: Row) -> float | None:
     return None if mtime is None else max(mtime, ctime or 0.0)
 
 
-@dataclass(slots=True)
-class _Seen:
-    """One object as the processes read so far hold it."""
+def _first(task: int, row: Row, info: PathInfo, key: Key, held: Holder) -> Seen:
+    """An object as the first process holding it shows it (maps read at `task`)."""
+    identity = None if isinstance(key, bytes) else (os.makedev(key[1], key[2]), key[0])
+    via = row[HROW_VIA]
+    allocated = row[ROW_ALLOCATED]
+    return Seen(info, identity, [held], allocated,
+                None if allocated is None else row[HROW_SIZE],
+                None if allocated is None else _changed(row),
+                row[ROW_MAPPED], row[HROW_SHARED],
+                None if via[1] else (task, via[0]))  # fmt: skip
 
-    info: PathInfo
-    identity: Identity | None
-    holders: list[Holder] = field(default_factory=list)
-    allocated: int | None = None
-    size: int | None = None
-    changed: float | None = None  # the newest of its mtime and ctime
-    mapped: int = 0
-    shared: bool = False
-    via: tuple[int, bytes] | None = None  # a VMA of a holder: /proc/TASK/map_files name
-    st: os.stat_result | None = None  # through that VMA, where map_files allowed it
 
-    @classmethod
-    def first(cls, task: int, row: Row, info: PathInfo, key: Key, held: Holder) -> _Seen:
-        """An object as the first process holding it shows it (maps read at `task`)."""
-        identity = None if isinstance(key, bytes) else (os.makedev(key[1], key[2]), key[0])
-        via = row[HROW_VIA]
-        allocated = row[ROW_ALLOCATED]
-        return cls(info, identity, [held], allocated,
-                   None if allocated is None else row[HROW_SIZE],
-                   None if allocated is None else _changed(row),
-                   row[ROW_MAPPED], row[HROW_SHARED],
-                   None if via[1] else (task, via[0]))  # fmt: skip
-
-    def add(self, task: int, row: Row, info: PathInfo, held: Holder) -> None:
-        """One process's row (processes come in pid order: holders stay sorted)."""
-        self.holders.append(held)
-        if row[ROW_MAPPED] > self.mapped:
-            self.mapped = row[ROW_MAPPED]
-        if row[HROW_SHARED]:
-            self.shared = True
-        if self.info == UNNAMED:  # its first holder's links all closed meanwhile
-            self.info = info
-        if self.allocated is None and row[ROW_ALLOCATED] is not None:
-            self.allocated = row[ROW_ALLOCATED]
-            self.size, self.changed = row[HROW_SIZE], _changed(row)
-        if self.via is None and not row[HROW_VIA][1]:
-            self.via = (task, row[HROW_VIA][0])
+def _add(seen: Seen, task: int, row: Row, info: PathInfo, held: Holder) -> None:
+    """One more process's row (processes come in pid order: holders stay sorted)."""
+    seen.holders.append(held)
+    if row[ROW_MAPPED] > seen.mapped:
+        seen.mapped = row[ROW_MAPPED]
+    if row[HROW_SHARED]:
+        seen.shared = True
+    if seen.info == UNNAMED:  # its first holder's links all closed meanwhile
+        seen.info = info
+    if seen.allocated is None and row[ROW_ALLOCATED] is not None:
+        seen.allocated = row[ROW_ALLOCATED]
+        seen.size, seen.changed = row[HROW_SIZE], _changed(row)
+    if seen.via is None and not row[HROW_VIA][1]:
+        seen.via = (task, row[HROW_VIA][0])
 
 
 @dataclass
@@ -153,10 +128,11 @@ class _Scan:
     sysv: frozenset[int]  # the kernel's own shm and hugetlbfs mounts: where segments live
     blocks: mounts.Superblocks  # every tmpfs / hugetlbfs mount's, reachable or not
     hugetlb: set[int]  # the hugetlbfs ones, the kernel's own included
-    objects: dict[Key | SysvKey, _Seen] = field(default_factory=dict)
+    objects: dict[Key | SysvKey, Seen] = field(default_factory=dict)
     unreadable: int = 0
     truncated: bool = False
     ipc_ns: str | None = None
+    budget: Budget = field(default_factory=Budget)
 
     def add_process(self, pid: int, task: int, rows: dict[Key, Row]) -> None:
         comm = command_name(pid) or "?"
@@ -175,9 +151,9 @@ class _Scan:
             held = holder(pid, comm, row)
             seen = objects.get(okey)
             if seen is None:
-                objects[okey] = _Seen.first(task, row, info, key, held)
+                objects[okey] = _first(task, row, info, key, held)
             else:
-                seen.add(task, row, info, held)
+                _add(seen, task, row, info, held)
 
     def _sysv_key(self, pid: int, key: Key) -> SysvKey:
         """A segment is its shmid (its inode on the kernel's shm mount) within its IPC
@@ -194,28 +170,63 @@ def _ipc_ns(pid: int | str) -> str | None:
         return None
 
 
-def scan_host(*, deadline: float | None = None) -> HostView:
+def scan_host(*, deadline: float | None = None, sink: ObjectSink | None = None) -> HostView:
     """Every shared-memory object on the host (see the module's docstring). `deadline`
-    (time.monotonic()) stops reading processes part way: `HostView.complete` is then
-    False and held objects of the processes not read may show as orphans. A tmpfs walk
-    that skipped anything for a reason other than ENOENT makes it False too."""
+    (time.monotonic()) bounds every phase (`host/bounds`): past it the scan stops where
+    it is, `HostView.complete` is False and `truncated_phase` names the phase; held
+    objects of the processes not read may then show as orphans. A mount not walked and
+    a tmpfs walk that skipped anything for a reason other than ENOENT make it False too.
+
+    With a `sink`, each object goes to it as it is found (unheld files as their facts:
+    `host/sink`) and the view returned holds no objects, only the totals and flags;
+    without, the view holds them all, sorted by engine, kind and name."""
     now = time.time()
+    budget = Budget(deadline)
+    collected = Collected(now) if sink is None else None
+    out: ObjectSink = collected if collected is not None else sink  # type: ignore[assignment]
     every = pids()
     namespaces = mounts.mount_namespaces(every)
-    blocks = mounts.superblocks(namespaces)
+    blocks = mounts.superblocks(namespaces, budget)
     internal = internal_devices()
     fstypes = blocks.fstypes
     hugetlb_devices = set(internal.hugetlb) | {d for d, t in fstypes.items() if t == "hugetlbfs"}
     devices = {internal.shmem, *internal.hugetlb, *fstypes}
     sysv = frozenset({internal.shmem, *internal.hugetlb})
     scan = _Scan(HostReader(devices), internal.shmem, sysv, blocks, hugetlb_devices,
-                 ipc_ns=_ipc_ns("self"))  # fmt: skip
+                 ipc_ns=_ipc_ns("self"), budget=budget)  # fmt: skip
+    scan.truncated = not blocks.complete
+    _read_processes(scan, every)
+    _measure_mapped_only(scan)
+    pods = Pods()  # pod_uid and container_id where the node says (host/pods)
+    pods.read_mounts(namespaces)
+    for obj in _held_objects(scan, now):
+        out.add(pods.attribute(obj))
+    _files(scan, now, out, pods)
+    if not budget.spent("sysv"):
+        for obj in _segments(scan, read_segments(), now):
+            out.add(pods.attribute(obj))
+    complete = not (scan.truncated or budget.truncated)
+    if collected is None:
+        return HostView((), sink_totals(out), scan.unreadable, complete, budget.truncated_phase)
+    collected.objects.sort(key=_order)
+    return HostView(tuple(collected.objects), collected.tally.totals(), scan.unreadable,
+                    complete, budget.truncated_phase)  # fmt: skip
+
+
+def sink_totals(sink: ObjectSink) -> HostTotals:
+    """The totals a sink counted (its `tally`), else none counted."""
+    tally = getattr(sink, "tally", None)
+    return tally.totals() if isinstance(tally, Tally) else Tally().totals()
+
+
+def _read_processes(scan: _Scan, every: list[int]) -> None:
+    """Every process's maps and fds, until the budget is spent (phase `processes`)."""
+    budget = scan.budget
     for pid in every:
-        if deadline is not None and time.monotonic() > deadline:
-            scan.truncated = True
-            break
+        if budget.spent("processes"):
+            return
         try:
-            read = scan.reader.read(pid, deadline=deadline)
+            read = scan.reader.read(pid, deadline=budget.deadline)
         except ProcessNotFoundError:
             continue
         except ProcessAccessError:
@@ -223,38 +234,26 @@ def scan_host(*, deadline: float | None = None) -> HostView:
             continue
         if read.rows:
             scan.add_process(read.pid, read.maps_task, read.rows)
-        scan.truncated = scan.truncated or not read.complete
-    _measure_mapped_only(scan)
-    objects = _held_objects(scan, now)
-    objects += _files(scan, now)
-    objects += _segments(scan, read_segments(), now)
-    pods = Pods()  # pod_uid and container_id where the node says (host/pods)
-    pods.read_mounts(namespaces)
-    objects = [pods.attribute(o) for o in objects]
-    objects.sort(key=_order)
-    totals = _totals(objects)
-    return HostView(tuple(objects), totals, scan.unreadable, complete=not scan.truncated)
+        if not read.complete:  # the deadline stopped its fd reading part way
+            scan.truncated = True
+            budget.spent("processes")
 
 
 def _order(o: HostObject) -> tuple[str, str, str]:
     return o.engine, o.kind, o.name
 
 
-def _newest(st: os.stat_result) -> float:
-    return max(st.st_mtime, st.st_ctime)  # a file restored with old times (cp -a) is new
-
-
 def _measure_mapped_only(scan: _Scan) -> None:
     """Pages of the objects no fd measured (mapped only: shared anonymous memory, SysV,
     a memfd whose fd was closed): one stat of a VMA through map_files, else smaps."""
-    by_pid: dict[int, list[tuple[Key, _Seen]]] = {}
+    by_pid: dict[int, list[tuple[Key, Seen]]] = {}
     for seen in scan.objects.values():
         if seen.allocated is not None or seen.via is None:
             continue
         pid, via = seen.via
         st = seen.st = map_files_stat(pid, via)
         if st is not None:
-            seen.allocated, seen.size, seen.changed = st.st_blocks * 512, st.st_size, _newest(st)
+            seen.allocated, seen.size, seen.changed = st.st_blocks * 512, st.st_size, newest(st)
             continue
         if seen.identity is not None:
             key: Key = (seen.identity[1], os.major(seen.identity[0]), os.minor(seen.identity[0]))
@@ -279,69 +278,56 @@ def _held_objects(scan: _Scan, now: float) -> list[HostObject]:
         # a shmem file none of the named kinds (a GPU driver's buffer object, or unnamed:
         # its fds closed meanwhile): anonymous shared memory too, dies with its holders
         kind: ObjectKind = "memfd" if hint == "memfd" else "anon_shared"
-        out.append(_object(kind, name, None, seen, now, hugetlb=dev in scan.hugetlb))
+        out.append(make_object(kind, name, None, seen, now, hugetlb=dev in scan.hugetlb))
     return out
 
 
-@lru_cache(maxsize=1 << 16)
-def _naming(base: str) -> tuple[Engine, str | None]:
-    """(engine, pool) of a name (the pool only for hostpool's and sglang's names)."""
-    engine = engine_of(base)
-    return engine, pool_of(base) if engine in ("hostpool", "sglang") else None
-
-
-def _object(kind: ObjectKind, name: str, path: str | None, seen: _Seen, now: float, *,
-            hugetlb: bool, orphan: bool = False, shmid: int | None = None,
-            area: Area | None = None, links: int | None = None) -> HostObject:  # fmt: skip
-    base = name.rpartition("/")[2] if kind == "file" else name  # a memfd's name may hold '/'
-    engine, pool = _naming(base)
-    size = seen.size if seen.size is not None else seen.mapped
-    age = None if seen.changed is None else max(0.0, now - seen.changed)
-    return HostObject(kind, name, path, engine, pool, size, seen.allocated or 0,
-                      tuple(seen.holders), orphan, age, seen.identity, shmid, hugetlb,
-                      area, links)  # fmt: skip
-
-
-def _files(scan: _Scan, now: float) -> list[HostObject]:
+def _files(scan: _Scan, now: float, out: ObjectSink, pods: Pods) -> None:
     """Every regular file on every tmpfs mount, joined to its holders (one object per
-    inode: a hard link is not another); files held but not found there (unlinked, or on
-    a mount no namespace shows) come last, path None; a mapped device node is none."""
-    out = []
-    done: set[Identity] = set()
+    inode: a hard link is not another), until the budget is spent (phase `tmpfs`): a
+    held one to `out.add`, an unheld one to `out.add_file` (nothing kept of it here but,
+    for a file of several links, its identity); then the files held but not found
+    there (unlinked, or on a mount no namespace shows), path None; a mapped device node
+    is none."""
     objects = scan.objects
     skipped: list[OSError] = []
+    linked: set[Identity] = set()  # files of several links met so far
     for mount in scan.blocks.mounts:
+        if scan.budget.spent("tmpfs"):
+            break
         dev, hugetlb = mount.st_dev, mount.hugetlb
         major, minor = os.major(dev), os.minor(dev)
-        for name, path, st in mounts.walk(mount, skipped):
+        pod = pods.of_dev(dev)
+        for name, path, st in mounts.walk(mount, skipped, scan.budget):
             ino = st.st_ino
-            identity = (dev, ino)
-            if identity in done:
-                continue  # a hard link of a file already listed
-            done.add(identity)
-            area = mount.area(name)
+            if st.st_nlink > 1:
+                if (dev, ino) in linked:
+                    continue  # a hard link of a file already listed
+                linked.add((dev, ino))
             seen = objects.get((ino, major, minor))
             if seen is None:  # unheld: most files on a busy /dev/shm, made directly
-                seen = _Seen(("file", name), identity)
-            seen.allocated, seen.size, seen.changed = st.st_blocks * 512, st.st_size, _newest(st)
-            orphan = not seen.holders and area in ORPHAN_AREAS
-            out.append(_object("file", name, path, seen, now, hugetlb=hugetlb, orphan=orphan,
-                               area=area, links=st.st_nlink))  # fmt: skip
+                out.add_file(name, path, st, mount.area(name), hugetlb, pod)
+                continue
+            seen.found = True
+            seen.allocated, seen.size, seen.changed = st.st_blocks * 512, st.st_size, newest(st)
+            obj = make_object("file", name, path, seen, now, hugetlb=hugetlb,
+                              area=mount.area(name), links=st.st_nlink)  # fmt: skip
+            out.add(pods.attribute(obj))
     scan.truncated = scan.truncated or bool(skipped)
     for okey, seen in objects.items():
-        if seen.identity is None or seen.identity in done or not isinstance(okey, tuple):
+        if seen.identity is None or seen.found or not isinstance(okey, tuple):
             continue
         dev = seen.identity[0]
         if okey[0] == "sysv" or dev not in scan.blocks.fstypes or not _regular(seen):
             continue
         name = seen.info[1].rpartition("/")[2]
         links = None if seen.st is None else seen.st.st_nlink
-        out.append(_object("file", name, None, seen, now, hugetlb=dev in scan.hugetlb,
-                           area=scan.blocks.area(dev), links=links))  # fmt: skip
-    return out
+        out.add(pods.attribute(make_object("file", name, None, seen, now,
+                                           hugetlb=dev in scan.hugetlb,
+                                           area=scan.blocks.area(dev), links=links)))  # fmt: skip
 
 
-def _regular(seen: _Seen) -> bool:
+def _regular(seen: Seen) -> bool:
     """Whether a held object on a tmpfs mount that the walk did not meet is a regular
     file. An fd alone makes a row only for one; a mapping may be of a device node
     (`/dev/zero` mapped private, a GPU's node in a container's /dev): its VMA's stat
@@ -359,38 +345,18 @@ def _segments(scan: _Scan, segments: list[Segment], now: float) -> list[HostObje
     for seg in segments:
         seen = scan.objects.get(("sysv", None, seg.shmid))
         if seen is None:
-            seen = _Seen(("sysv", seg.name), (scan.shmem, seg.shmid))
+            seen = Seen(("sysv", seg.name), (scan.shmem, seg.shmid))
         seen.allocated, seen.size = seg.rss, seg.size
         seen.changed = float(seg.changed) if seg.changed else None
         hugetlb = seen.identity is not None and seen.identity[0] in scan.hugetlb
-        out.append(_object("sysv", seg.name, None, seen, now, hugetlb=hugetlb,
-                           orphan=seg.nattch == 0, shmid=seg.shmid))  # fmt: skip
+        out.append(make_object("sysv", seg.name, None, seen, now, hugetlb=hugetlb,
+                               orphan=seg.nattch == 0, shmid=seg.shmid))  # fmt: skip
     listed = {seg.shmid for seg in segments}
     for okey, seen in scan.objects.items():
         if not (isinstance(okey, tuple) and okey[0] == "sysv"):
             continue
         if okey[1] is not None or okey[2] not in listed:  # another namespace's, or gone
             hugetlb = seen.identity is not None and seen.identity[0] in scan.hugetlb
-            out.append(_object("sysv", seen.info[1], None, seen, now, hugetlb=hugetlb,
-                               shmid=int(okey[2])))  # fmt: skip
+            out.append(make_object("sysv", seen.info[1], None, seen, now, hugetlb=hugetlb,
+                                   shmid=int(okey[2])))  # fmt: skip
     return out
-
-
-def _totals(objects: list[HostObject]) -> HostTotals:
-    """(shmem, attributed, unattributed, orphaned, hugetlb, hugetlb orphaned) bytes."""
-    shmem = _meminfo_shmem()
-    plain = [o for o in objects if not o.hugetlb]
-    huge = [o for o in objects if o.hugetlb]
-    attributed = sum(o.resident_bytes for o in plain)
-    return HostTotals(shmem, attributed, max(0, shmem - attributed),
-                      sum(o.resident_bytes for o in plain if o.orphan),
-                      sum(o.resident_bytes for o in huge),
-                      sum(o.resident_bytes for o in huge if o.orphan))  # fmt: skip
-
-
-def _meminfo_shmem() -> int:
-    with open("/proc/meminfo", "rb") as f:
-        for line in f.read().split(b"\n"):
-            if line.startswith(b"Shmem:"):
-                return int(line.split()[1]) * 1024
-    return 0

@@ -11,6 +11,7 @@ object on the host, whoever made it, from one `scan_host()` per scrape.
 | `hostpool_host_shm_oldest_orphan_age_seconds` | engine | age of the engine's oldest orphan |
 | `hostpool_host_scrape_duration_seconds` | | time this scrape spent reading the view |
 | `hostpool_host_scrape_truncated` | | 1 when the reading hit its time budget |
+| `hostpool_host_scrape_truncated_phase` | phase | 1 for the phase the budget ran out in |
 | `hostpool_host_unreadable_processes` | | processes this exporter may not read |
 
 Label values come only from the fixed sets of `hostpool.host.model` (`ENGINES`,
@@ -27,8 +28,12 @@ attributed part of `hostpool_host_shmem_bytes` and, with the unattributed bytes,
 on it. The oldest-orphan age counts every orphan, hugetlb ones too, whose age is known.
 
 Scrapes that arrive while a reading runs share it (`metrics/flight`). The reading has a
-time budget (`scrape_budget`); past it the scrape answers with what was read and
-`hostpool_host_scrape_truncated` 1 (logged once, `hostpool.exporter_scrape_truncated`).
+time budget (`scrape_budget`) that bounds each of its phases (`host/bounds`: mountinfo,
+processes, tmpfs, sysv); past it the scrape answers with what was read,
+`hostpool_host_scrape_truncated` 1 and the phase it stopped in
+(`hostpool_host_scrape_truncated_phase`; logged once, `hostpool.exporter_scrape_truncated`).
+The reading sums as the scan finds objects (`metrics/hostsum`): no object is kept, and
+none is made for a file no process holds.
 Processes this user may not read are counted, and logged once
 (`hostpool.exporter_unreadable`): what only they hold looks orphaned, or unattributed.
 """
@@ -36,7 +41,6 @@ Processes this user may not read are counted, and logged once
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Final
 
@@ -45,11 +49,12 @@ from prometheus_client.registry import Collector
 
 from hostpool.base import events
 from hostpool.errors import ConfigError
-from hostpool.host.model import AREAS, ENGINES, OBJECT_KINDS, HoldState, HostView
+from hostpool.host.bounds import PHASES
+from hostpool.host.model import HostView
 from hostpool.metrics.flight import SharedFlight
+from hostpool.metrics.hostsum import HostSums, Samples, view_samples
 
 DEFAULT_SCRAPE_BUDGET = 5.0  # seconds; Prometheus' default scrape_timeout is 10 s
-STATES: Final[tuple[HoldState, ...]] = ("held", "orphaned")
 OBJECT_LABELS: Final = ("engine", "kind", "state")
 SHM_LABELS: Final = (*OBJECT_LABELS, "area", "pod_uid")
 
@@ -88,6 +93,11 @@ HOST_METRICS: Final[dict[str, tuple[tuple[str, ...], str]]] = {
         "1 when this scrape reached its time budget (--scrape-budget) before reading the "
         "whole host: the other hostpool_host_ gauges are then partial.",
     ),
+    "hostpool_host_scrape_truncated_phase": (
+        ("phase",),
+        "1 for the phase of the scan (mountinfo, processes, tmpfs, sysv) in which this "
+        "scrape's time budget ran out, 0 for the others (all 0: it did not).",
+    ),
     "hostpool_host_unreadable_processes": (
         (),
         "Processes this exporter may not read (it lacks CAP_SYS_PTRACE or "
@@ -96,45 +106,7 @@ HOST_METRICS: Final[dict[str, tuple[tuple[str, ...], str]]] = {
     ),
 }
 
-Samples = dict[str, dict[tuple[str, ...], float]]
 Scan = Callable[..., HostView]  # scan_host's shape: (*, deadline: float | None) -> HostView
-
-
-def view_samples(view: HostView) -> Samples:
-    """The object and total families' samples of one view, {name: {label values: value}},
-    in the fixed sets' order (pods by uid); only combinations that have objects."""
-    shm: defaultdict[tuple[str, ...], int] = defaultdict(int)
-    count: defaultdict[tuple[str, ...], int] = defaultdict(int)
-    huge: defaultdict[tuple[str, ...], int] = defaultdict(int)
-    oldest: dict[str, float] = {}
-    for obj in view.objects:
-        if obj.hugetlb:
-            huge[(obj.engine, obj.kind, obj.state)] += obj.resident_bytes
-        else:
-            key = (obj.engine, obj.kind, obj.state, obj.area or "", obj.pod_uid or "")
-            shm[key] += obj.resident_bytes
-            count[key] += 1
-        if obj.orphan and obj.age_seconds is not None:
-            oldest[obj.engine] = max(oldest.get(obj.engine, 0.0), obj.age_seconds)
-    return {
-        "hostpool_host_shm_bytes": {key: float(shm[key]) for key in sorted(count, key=_rank)},
-        "hostpool_host_shm_objects": {key: float(count[key]) for key in sorted(count, key=_rank)},
-        "hostpool_host_hugetlb_bytes": {key: float(huge[key]) for key in sorted(huge, key=_rank)},
-        "hostpool_host_shmem_bytes": {(): float(view.totals.shmem_bytes)},
-        "hostpool_host_shmem_unattributed_bytes": {(): float(view.totals.unattributed_bytes)},
-        "hostpool_host_shm_oldest_orphan_age_seconds": {
-            (engine,): oldest[engine] for engine in ENGINES if engine in oldest
-        },
-    }
-
-
-_ORDERS: Final = tuple({v: i for i, v in enumerate(values)} for values in
-                       (ENGINES, OBJECT_KINDS, STATES, ("", *AREAS)))  # fmt: skip
-
-
-def _rank(key: tuple[str, ...]) -> tuple[object, ...]:
-    """A series' place: the fixed sets' order, then the pod's uid."""
-    return (*(order[v] for order, v in zip(_ORDERS, key, strict=False)), *key[len(_ORDERS) :])
 
 
 class HostCollector(Collector):
@@ -146,6 +118,7 @@ class HostCollector(Collector):
     ) -> None:
         if not scrape_budget > 0:
             raise ConfigError("scrape_budget must be a positive number of seconds")
+        self._summing = scan is None  # the real scan sums as it goes; a stand-in gives a view
         if scan is None:
             from hostpool.host.scan import scan_host  # /proc is read only once scraped
 
@@ -165,12 +138,21 @@ class HostCollector(Collector):
     def _collect_once(self) -> list[Metric]:
         started = time.perf_counter()
         deadline = time.monotonic() + self.scrape_budget
-        view = self._scan(deadline=deadline)
+        samples: Samples
+        if self._summing:
+            sums = HostSums()
+            view = self._scan(deadline=deadline, sink=sums)
+            samples, objects_read = sums.samples(view.totals), sums.objects
+        else:
+            view = self._scan(deadline=deadline)
+            samples, objects_read = view_samples(view), len(view.objects)
         truncated = not view.complete  # the scan stopped at the deadline with what it read
-        samples = view_samples(view)
         elapsed = time.perf_counter() - started
         samples["hostpool_host_scrape_duration_seconds"] = {(): elapsed}
         samples["hostpool_host_scrape_truncated"] = {(): 1.0 if truncated else 0.0}
+        samples["hostpool_host_scrape_truncated_phase"] = {
+            (phase,): 1.0 if phase == view.truncated_phase else 0.0 for phase in PHASES
+        }
         samples["hostpool_host_unreadable_processes"] = {(): float(view.unreadable)}
         if view.unreadable and not self._warned_unreadable:
             self._warned_unreadable = True
@@ -189,7 +171,8 @@ class HostCollector(Collector):
                 view="node",
                 budget_s=self.scrape_budget,
                 seconds=round(elapsed, 3),
-                objects_read=len(view.objects),
+                phase=view.truncated_phase,
+                objects_read=objects_read,
                 detail="the node view was cut short: its sums are partial and its "
                 "unattributed bytes too high; raise --scrape-budget (below Prometheus' "
                 "scrape_timeout)",
