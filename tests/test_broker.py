@@ -237,3 +237,35 @@ def test_only_the_brokers_uid_may_lease(public_dir: str) -> None:
 def public_dir() -> Iterator[str]:
     with helpers.public_dir("hostpool-broker-") as top:
         yield top
+
+
+def test_a_configured_group_may_lease_and_no_one_else(
+    public_dir: str, tmp_path: os.PathLike[str]
+) -> None:
+    """`--share-group nogroup` (gid 65534, the primary group of uid 65534): uid 65534 leases
+    the pool (a real process, setpriv), uid 4242 (in no such group) is refused by
+    SO_PEERCRED, and an unknown group is a configuration error (exit 2) before anything is
+    allocated."""
+    import grp
+
+    group = grp.getgrgid(65534).gr_name
+    sock = os.path.join(public_dir, "run", "broker.sock")
+    served = start_serve(tmp_path, "--pool", "kv=4MiB", "--share-socket", sock,
+                         "--share-group", group)  # fmt: skip
+    try:
+        member = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+        lessee = Lessee(sock, "kv", "fill", prefix=member)
+        try:
+            assert lessee.report["size"] == 4 * MiB and lessee.report["firsts"] == [1]
+        finally:
+            assert lessee.end() == 0
+        stranger = ("setpriv", "--reuid=4242", "--regid=4242", "--clear-groups")
+        refused = Lessee(sock, "kv", "read", prefix=stranger)
+        assert refused.proc.wait(timeout=waiting.DEADLINE) == 1
+        assert "not allowed" in refused.report["error"]
+        assert '"uid": 4242' in served.log() and "uid not allowed" in served.log()
+    finally:
+        served.kill()
+    bad = helpers.hostpool("serve", "--check", "--pool", "kv=1MiB", "--share-socket", sock,
+                           "--share-group", "no-such-group-here")  # fmt: skip
+    assert bad.returncode == 2 and "no group 'no-such-group-here'" in bad.stderr, bad.stderr

@@ -83,6 +83,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "path that cannot be used is refused before any pool is allocated, and by --check: "
         "exit 2 when the path is wrong (too long, on /proc), 1 when a live server holds it",
     )
+    p.add_argument(
+        "--share-group",
+        default=None,
+        metavar="GROUP",
+        help="with --share-socket: the members of GROUP (a name or gid, resolved at start) "
+        "may also connect, attach and lease (docs/broker.md); the socket is then 0666 in "
+        "a directory others can traverse, SO_PEERCRED decides",
+    )
     p.add_argument("--demo-load", action="store_true", help="run a demo workload")
     p.add_argument(
         "--check",
@@ -307,7 +315,13 @@ def _serve(cfg: serve_config.ServeConfig, sock: Any, stop: _Stop) -> int:
             from hostpool.broker.server import Broker  # the share server that also lends
 
             try:
-                broker = Broker(service.manager, cfg.share_socket)
+                members = cfg.share_uids  # server.share_group's
+                broker = Broker(
+                    service.manager,
+                    cfg.share_socket,
+                    allowed_uids=members,
+                    writable_uids=members,
+                )
                 share = broker.start()
                 broker_metrics.book = broker.book
             except Cancelled:  # stopped while waiting for the socket directory's lock

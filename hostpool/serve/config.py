@@ -47,6 +47,7 @@ SERVER_KEYS = {
     "host_budget",
     "budget_dir",
     "share_socket",
+    "share_group",
     "demo_load",
     "web_config_file",
 }
@@ -102,6 +103,8 @@ class ServeConfig:
     host_budget: int | None = None  # shared by every process using the same budget_dir
     budget_dir: str = DEFAULT_BUDGET_DIR
     share_socket: str | None = None
+    # uids of server.share_group's members (at start): they may connect and lease
+    share_uids: tuple[int, ...] = ()
     demo_load: bool = False
     # TLS and basic auth of the listener, loaded and checked from server.web_config_file
     web: WebConfig | None = field(default=None, compare=False)
@@ -176,6 +179,7 @@ def from_mapping(data: dict[str, Any], base_dir: str | None = None) -> ServeConf
     share = server.get("share_socket")
     if share is not None and not isinstance(share, str):
         raise ConfigError(f"server.share_socket must be a path, got {share!r}")
+    share_uids = group_uids(server.get("share_group"), share)
     host_budget = server.get("host_budget")
     budget_dir = server.get("budget_dir", DEFAULT_BUDGET_DIR)
     if not isinstance(budget_dir, str) or not budget_dir:
@@ -201,9 +205,36 @@ def from_mapping(data: dict[str, Any], base_dir: str | None = None) -> ServeConf
         host_budget=_size(host_budget, "server.host_budget") if host_budget is not None else None,
         budget_dir=budget_dir,
         share_socket=share,
+        share_uids=share_uids,
         demo_load=demo,
         web=web,
     )
+
+
+def group_uids(group: object, share_socket: str | None) -> tuple[int, ...]:
+    """The uids of `group` (a name or a gid): its listed members and the users whose
+    primary group it is, resolved now (a member added later is not one until a restart).
+    ConfigError for an unknown group, or a group without a share socket."""
+    if group is None:
+        return ()
+    if not isinstance(group, str | int) or isinstance(group, bool) or group == "":
+        raise ConfigError(f"server.share_group must be a group name or gid, got {group!r}")
+    if share_socket is None:
+        raise ConfigError("server.share_group goes with server.share_socket")
+    import grp
+    import pwd
+
+    try:
+        entry = grp.getgrgid(int(group)) if str(group).isdigit() else grp.getgrnam(str(group))
+    except (KeyError, OverflowError):
+        raise ConfigError(f"server.share_group: no group {group!r} on this host") from None
+    uids = {u.pw_uid for u in pwd.getpwall() if u.pw_gid == entry.gr_gid}
+    for name in entry.gr_mem:
+        try:
+            uids.add(pwd.getpwnam(name).pw_uid)
+        except KeyError:
+            continue  # a member the user database no longer knows
+    return tuple(sorted(uids))
 
 
 def from_file(path: str) -> ServeConfig:
