@@ -78,8 +78,9 @@ def answer_questions(
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """The reader's loop: for each ASK byte, `render()`'s text (a fresh one unless the
-    last is younger than `min_interval`), framed by its length. Returns when the
-    listener closes its end or sends anything but ASK."""
+    last is younger than `min_interval`), framed by its length; an empty answer when
+    `render()` raised (logged: `hostpool.exporter_scan_failed`; the reader goes on).
+    Returns when the listener closes its end or sends anything but ASK."""
     last: bytes | None = None
     finished = 0.0
     while True:
@@ -90,10 +91,14 @@ def answer_questions(
         if question != ASK:
             return  # closed, or not a question this loop knows: end, take nothing else
         if last is None or clock() - finished >= min_interval:
-            last = render()
+            try:
+                last = render()
+            except Exception as exc:  # one scan's failure, not the reader's end
+                events.error("hostpool.exporter_scan_failed", error=f"{type(exc).__name__}: {exc}")
+                last = None
             finished = clock()
         try:
-            sock.sendall(_LENGTH.pack(len(last)) + last)
+            sock.sendall(_LENGTH.pack(len(last or b"")) + (last or b""))
         except OSError:
             return
 
@@ -167,6 +172,13 @@ class ReadingLink:
             f"{self.stall_after:g} s): the reader is stuck"
         )
 
+    def close(self) -> None:
+        """Close this end: the reader's loop sees it closed (a shutdown first: a close
+        alone leaves the receiving thread's recv holding the socket open)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
     def _lost(self, why: str) -> None:
         with self._cond:
             if self.gone is None:
@@ -181,8 +193,8 @@ class ReadingLink:
                 if length > MAX_ANSWER:
                     raise ValueError(f"an answer of {length} bytes (at most {MAX_ANSWER})")
                 body = self._exactly(length)
-                with self._cond:
-                    self._latest, self._latest_at = body, self._clock()
+                with self._cond:  # an empty answer: that scan failed (None: a 503)
+                    self._latest, self._latest_at = body or None, self._clock()
                     self._answers += 1
                     self._asked_at = None
                     self._cond.notify_all()
@@ -207,7 +219,10 @@ def metrics_app(link: ReadingLink) -> WSGIApp:
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         body = link.reading()
         if body is None:
-            why = link.health() or f"no scan finished within {link.answer_within:g} s"
+            why = link.health() or (
+                f"no scan finished within {link.answer_within:g} s, or it failed (the "
+                "exporter's log says why)"
+            )
             return send(start_response, "503 Service Unavailable", f"{why}\n".encode(), _TEXT)
         return send(start_response, "200 OK", body, CONTENT_TYPE)
 
@@ -245,8 +260,10 @@ def split(
         status = 1
         try:
             parent_end.close()
-            for sig in (signal.SIGINT, signal.SIGTERM):  # the reader's stop is immediate
-                signal.signal(sig, signal.SIG_DFL)
+            # a SIGTERM to the reader ends it at once; a terminal's ^C (both get it) is
+            # the listener's to handle: it ends the reader
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             sandbox.die_with_parent(parent)
             prepare()
             child_end.sendall(READY)
