@@ -151,7 +151,7 @@ def engine_restart(with_broker: bool, workdir: Path) -> dict[str, Any]:
                 os.killpg(first.proc.pid, signal.SIGKILL)
                 first.proc.wait()
                 psutil.wait_procs(tree, timeout=120)
-            _remove_unheld(set(os.listdir("/dev/shm")) - shm_before)
+            remove_unheld(set(os.listdir("/dev/shm")) - shm_before)
             started = time.monotonic()
 
             def timed(model_dir: Path, port: int) -> list[str]:
@@ -182,11 +182,14 @@ def engine_restart(with_broker: bool, workdir: Path) -> dict[str, Any]:
     }
 
 
-def _remove_unheld(names: set[str]) -> None:
-    """vLLM's `/dev/shm/psm_*` message queues outlive a SIGKILL: remove the new ones no
-    process holds (a write lease is refused while any process has one open or mapped)."""
+def remove_unheld(names: set[str]) -> list[str]:
+    """vLLM's shared-memory message queues (`/dev/shm/psm_*`, 400 MiB for the tiny model)
+    outlive a SIGKILL (nobody unlinks them): remove those of `names` that no process
+    holds, proven by the kernel (a write lease is refused while any process has the file
+    open or mapped), as `hostpool reap` does. Returns what was removed."""
     import fcntl
 
+    removed = []
     for name in sorted(n for n in names if n.startswith("psm_")):
         path = f"/dev/shm/{name}"
         try:
@@ -196,11 +199,13 @@ def _remove_unheld(names: set[str]) -> None:
         try:
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
             os.unlink(path)
+            removed.append(name)
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
         except OSError:
             pass  # held by a live process: not the killed engine's
         finally:
             os.close(fd)
+    return removed
 
 
 def main() -> int:

@@ -87,7 +87,8 @@ class Lessee:
         self.proc.wait()
 
 
-def _metric(served: Served, name: str, **labels: str) -> float | None:
+def metric(served: Served, name: str, **labels: str) -> float | None:
+    """A sample of serve's /metrics, None if it has none with exactly these labels."""
     body = served.get("/metrics")[1]
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     match = re.search(rf"^{name}\{{{re.escape(want)}\}} (\S+)$", body, re.M)
@@ -107,7 +108,7 @@ def broker(tmp_path: os.PathLike[str]) -> Iterator[tuple[Served, str]]:
 
 def test_a_lease_is_exclusive_and_outlives_its_lessee(broker: tuple[Served, str]) -> None:
     served, sock = broker
-    assert _metric(served, "hostpool_broker_leases", pool="kv") == 0
+    assert metric(served, "hostpool_broker_leases", pool="kv") == 0
     started = [json.loads(x) for x in served.log().splitlines() if "hostpool.broker_started" in x]
     assert started and "every pool is new" in started[0]["cold"]  # a broker start is cold
     first = Lessee(sock, "kv", "fill")
@@ -115,13 +116,13 @@ def test_a_lease_is_exclusive_and_outlives_its_lessee(broker: tuple[Served, str]
         # the pool's four 4 MiB chunks, mapped side by side at one address
         assert first.report["sizes"] == [CHUNK] * 4 and first.report["size"] == POOL
         assert first.report["firsts"] == [1, 2, 3, 4]
-        assert _metric(served, "hostpool_broker_leases", pool="kv") == 1
+        assert metric(served, "hostpool_broker_leases", pool="kv") == 1
         second = Lessee(sock, "kv", "read")
         assert second.proc.wait(timeout=waiting.DEADLINE) == 1
         error = second.report["error"]
         assert f"leased by pid {first.report['pid']}" in error, error
         assert "exclusive" in error
-        allocated = _metric(served, "hostpool_allocated_bytes", allocator="shm",
+        allocated = metric(served, "hostpool_allocated_bytes", allocator="shm",
                             page_size="4KiB", pool="kv")  # fmt: skip
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait()
@@ -129,11 +130,9 @@ def test_a_lease_is_exclusive_and_outlives_its_lessee(broker: tuple[Served, str]
             served.stderr_path, "hostpool.broker_lease_ended", alive=served.proc
         )
         assert "connection closed" in log and f"{first.report['pid']}" in log
-        assert _metric(served, "hostpool_broker_leases", pool="kv") == 0
+        assert metric(served, "hostpool_broker_leases", pool="kv") == 0
         assert (
-            _metric(
-                served, "hostpool_allocated_bytes", allocator="shm", page_size="4KiB", pool="kv"
-            )
+            metric(served, "hostpool_allocated_bytes", allocator="shm", page_size="4KiB", pool="kv")
             == allocated
             == POOL
         )
@@ -145,7 +144,7 @@ def test_a_lease_is_exclusive_and_outlives_its_lessee(broker: tuple[Served, str]
         finally:
             assert third.end() == 0
         waiting.wait_for(
-            lambda: _metric(served, "hostpool_broker_leases", pool="kv") == 0,
+            lambda: metric(served, "hostpool_broker_leases", pool="kv") == 0,
             "the lease to end with its connection",
         )
     finally:
@@ -165,7 +164,7 @@ def test_the_index_part_is_leased_apart_and_adoptions_are_counted(
         other = Lessee(sock, "kv", "index", str(4 * page))
         assert other.proc.wait(timeout=waiting.DEADLINE) == 1
         assert f"pid {scheduler.report['pid']}" in other.report["error"]
-        assert _metric(served, "hostpool_broker_leases", pool="kv") == 2
+        assert metric(served, "hostpool_broker_leases", pool="kv") == 2
         assert worker.end() == 0
     finally:
         scheduler.kill()
@@ -185,10 +184,10 @@ def test_the_index_part_is_leased_apart_and_adoptions_are_counted(
     done = subprocess.run([sys.executable, "-c", code], cwd=helpers.ROOT, capture_output=True,
                           text=True, timeout=waiting.DEADLINE)  # fmt: skip
     assert done.returncode == 0 and "reported" in done.stdout, done.stderr
-    assert _metric(served, "hostpool_broker_adopted_blocks_total", pool="kv") == 7
-    assert _metric(served, "hostpool_broker_adopted_blocks_total", pool="meta") == 0
+    assert metric(served, "hostpool_broker_adopted_blocks_total", pool="kv") == 7
+    assert metric(served, "hostpool_broker_adopted_blocks_total", pool="meta") == 0
     assert (
-        _metric(served, "hostpool_broker_discarded_blocks_total", pool="kv", reason="identity") == 2
+        metric(served, "hostpool_broker_discarded_blocks_total", pool="kv", reason="identity") == 2
     )
     log = waiting.log_text(served.stderr_path)
     assert "hostpool.broker_adopted" in log and '"field": "dtype"' in log

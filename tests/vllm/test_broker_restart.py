@@ -5,8 +5,6 @@ broker's pool; an engine of another model config adopts nothing."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import re
@@ -17,7 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bench.broker_restart import remove_unheld
 from tests import helpers, waiting
+from tests.test_broker import metric
 from tests.test_serve import Served, start_serve
 from tests.vllm.server import TINY_LLAMA, VllmServer, offloading_config, running_server
 from tests.vllm.test_spec_server import samples
@@ -57,35 +57,6 @@ def devshm() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
-def remove_what_the_killed_engine_left(before: set[str]) -> list[str]:
-    """vLLM's shared-memory message queues (`/dev/shm/psm_*`, 400 MiB here) outlive a
-    SIGKILL (nobody unlinks them): remove those that appeared since `before` and that no
-    process holds, proven by the kernel (a write lease is refused while any process has
-    the file open or mapped), as `hostpool reap` does. Returns what was removed."""
-    removed = []
-    for name in sorted(devshm() - before):
-        if not name.startswith("psm_"):
-            continue
-        path = f"/dev/shm/{name}"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
-        except OSError:
-            os.close(fd)
-            continue  # held: another live process's, not the killed engine's
-        try:
-            os.unlink(path)
-            removed.append(name)
-        finally:
-            with contextlib.suppress(OSError):
-                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-            os.close(fd)
-    return removed
-
-
 def pool_objects(served: Served) -> dict[str, set[int]]:
     """`hostpool shm --json`: the broker pool's memfds and the pids that hold each."""
     done = helpers.hostpool("shm", "--json")
@@ -116,19 +87,11 @@ def kill_group(server: VllmServer) -> None:
     assert not alive, alive
 
 
-def broker_metric(served: Served, name: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    body = served.get("/metrics")[1]
-    match = re.search(rf"^{name}\{{{re.escape(want)}\}} (\S+)$", body, re.M)
-    assert match, f"no {name}{{{want}}} in serve's /metrics"
-    return float(match.group(1))
-
-
 def test_a_killed_engine_restarts_onto_its_host_cache(
     broker: tuple[Served, str], workdir: Path
 ) -> None:
     served, sock = broker
-    allocated = broker_metric(
+    allocated = metric(
         served, "hostpool_allocated_bytes", allocator="shm", page_size="4KiB", pool="kvoff"
     )
     shm_before = devshm()
@@ -137,20 +100,20 @@ def test_a_killed_engine_restarts_onto_its_host_cache(
         tokens = [first.complete(p)["choices"][0]["token_ids"] for p in PROMPTS]
         stored = sum(samples(first.metrics(), "vllm:kv_offload_store_bytes_total").values())
         assert stored > 0, f"vLLM stored nothing to the broker's pool:\n{first.tail()}"
-        assert broker_metric(served, "hostpool_broker_leases", pool="kvoff") == 2
+        assert metric(served, "hostpool_broker_leases", pool="kvoff") == 2
         objects = pool_objects(served)
         worker = first.worker_pid()
         try:
             kill_group(first)
         finally:
-            remove_what_the_killed_engine_left(shm_before)
+            remove_unheld(devshm() - shm_before)  # vLLM's message queues, as `reap` would
     # the pool is one memfd of the broker's, which the killed worker held too
     assert len(objects) == 1 and all({served.proc.pid, worker} <= h for h in objects.values())
     waiting.wait_for(
         lambda: served.log().count("hostpool.broker_lease_ended") >= 2,
         "the broker to end both leases of the killed engine",
     )
-    assert broker_metric(served, "hostpool_broker_leases", pool="kvoff") == 0
+    assert metric(served, "hostpool_broker_leases", pool="kvoff") == 0
     with running_server(workdir, engine_args(sock), env=env) as second:
         again = second.complete(PROMPTS[0])["choices"][0]["token_ids"]
         hits = external_hits(second)
@@ -166,12 +129,10 @@ def test_a_killed_engine_restarts_onto_its_host_cache(
     assert again == tokens[0]
     # >= 90% of the 384-token prefix came from the host tier, as vLLM itself counts it
     assert hits >= 0.9 * len(PREFIX), f"external prefix cache hits {hits}"
-    assert broker_metric(served, "hostpool_broker_adopted_blocks_total", pool="kvoff") >= 12
+    assert metric(served, "hostpool_broker_adopted_blocks_total", pool="kvoff") >= 12
     # the broker's pool is the same memory throughout
     assert (
-        broker_metric(
-            served, "hostpool_allocated_bytes", allocator="shm", page_size="4KiB", pool="kvoff"
-        )
+        metric(served, "hostpool_allocated_bytes", allocator="shm", page_size="4KiB", pool="kvoff")
         == allocated
         == POOL_BYTES
     )
@@ -192,9 +153,8 @@ def test_another_model_config_adopts_nothing(broker: tuple[Served, str], workdir
         (model_dir / "config.json").write_text(json.dumps(config, indent=1))
         return server_command(model_dir, port, engine_args(sock))
 
-    discarded = broker_metric(
-        served, "hostpool_broker_discarded_blocks_total", pool="kvoff", reason="identity"
-    ) if "reason=\"identity\"" in served.get("/metrics")[1] else 0.0  # fmt: skip
+    name = "hostpool_broker_discarded_blocks_total"
+    discarded = metric(served, name, pool="kvoff", reason="identity") or 0.0
     with running_server(workdir, command=changed, env=engine_env(workdir)) as other:
         again = other.complete(PROMPTS[1])["choices"][0]["token_ids"]
         hits = external_hits(other)
@@ -205,9 +165,4 @@ def test_another_model_config_adopts_nothing(broker: tuple[Served, str], workdir
     assert "model_config_digest" in adopted.group(2), adopted.group(0)
     assert hits == 0
     assert again == tokens
-    assert (
-        broker_metric(
-            served, "hostpool_broker_discarded_blocks_total", pool="kvoff", reason="identity"
-        )
-        > discarded
-    )
+    assert (metric(served, name, pool="kvoff", reason="identity") or 0.0) > discarded
