@@ -29,11 +29,13 @@ def broker(tmp_path: Path) -> Iterator[tuple[Served, str]]:
     served.kill()
 
 
-def run(sock: str, phase: str) -> tuple[int, dict[str, object] | None, str]:
+def run(
+    sock: str, phase: str, env: dict[str, str] | None = None
+) -> tuple[int, dict[str, object] | None, str]:
     code = f"import runpy, sys; sys.argv = ['child', {sock!r}, {phase!r}]; " + (
         f"runpy.run_path({str(CHILD)!r}, run_name='__main__')"
     )
-    proc = run_vllm_python(code)
+    proc = run_vllm_python(code, env=env)
     log = proc.stdout + proc.stderr
     match = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
     return proc.returncode, json.loads(match.group(1)) if match else None, log
@@ -52,12 +54,7 @@ def test_only_completed_stores_survive_a_killed_engine(broker: tuple[Served, str
     code, other, log = run(sock, "other")
     assert code == 0 and other is not None, log[-4000:]
     assert other["lookup"] == ["MISS", "MISS", "MISS"]
-    events = [
-        json.loads(line)
-        for line in served.log().splitlines()
-        if line.startswith("{") and "hostpool.broker_adopted" in line
-    ]
-    assert [(e["blocks"], e["discarded"], e["reason"], e["field"]) for e in events] == [
+    assert adoptions(served) == [
         (0, {}, "fresh", None),  # the first engine: a new index
         (2, {"unfinished": 1}, None, None),
         (0, {"identity": 2}, "identity", "model"),
@@ -66,3 +63,31 @@ def test_only_completed_stores_survive_a_killed_engine(broker: tuple[Served, str
     assert 'hostpool_broker_adopted_blocks_total{pool="kv"} 2.0' in metrics
     assert 'hostpool_broker_discarded_blocks_total{pool="kv",reason="unfinished"} 1.0' in metrics
     assert 'hostpool_broker_discarded_blocks_total{pool="kv",reason="identity"} 2.0' in metrics
+
+
+def adoptions(served: Served) -> list[tuple[object, ...]]:
+    """The broker's hostpool.broker_adopted events: (blocks, discarded, reason, field)."""
+    return [
+        (e["blocks"], e["discarded"], e["reason"], e["field"])
+        for e in (json.loads(x) for x in served.log().splitlines() if x.startswith("{"))
+        if e["event"] == "hostpool.broker_adopted"
+    ]
+
+
+def test_another_prefix_hash_seed_adopts_nothing(broker: tuple[Served, str]) -> None:
+    """Block hashes made under PYTHONHASHSEED=7 are other keys: the engine adopts nothing
+    and says the seed differs; the next engine of the old seed finds nothing either (the
+    index was started over: fail closed)."""
+    served, sock = broker
+    code, _, log = run(sock, "store")
+    assert code == -9, log[-4000:]
+    code, seeded, log = run(sock, "adopt", env={"PYTHONHASHSEED": "7"})
+    assert code == 0 and seeded is not None, log[-4000:]
+    assert seeded["lookup"] == ["MISS", "MISS", "MISS"]
+    code, again, log = run(sock, "adopt")
+    assert code == 0 and again is not None, log[-4000:]
+    assert again["lookup"] == ["MISS", "MISS", "MISS"]
+    assert adoptions(served)[1:] == [
+        (0, {"identity": 2, "unfinished": 1}, "identity", "hash_seed_source"),
+        (0, {}, "identity", "hash_seed_source"),
+    ]
