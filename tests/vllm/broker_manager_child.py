@@ -7,7 +7,8 @@ broker (`hostpool serve`). Prints one `RESULT <json>` line.
 - `store`: stores keys A, B, C (real KV bytes copied into the broker's pool), completes A
   and B only (C's store was started, never completed: the fault), then dies by SIGKILL;
 - `adopt`: a new engine: looks A..C up, loads A and B back into wiped KV caches;
-- `other`: an engine whose model differs: looks A up.
+- `other`: an engine whose model differs: looks A up;
+- `small`: a worker whose broker pool is smaller than it needs.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ def main(sock: str, phase: str) -> dict[str, Any]:
     if phase == "other":
         config = config.__class__(**{**config.__dict__, "model": config.model.__class__(
             name="another", dtype="float32")})  # fmt: skip
+    if phase == "small":  # the broker's pool `tiny` is smaller than the worker needs
+        config = offloading_config({"hostpool_broker": sock, "hostpool_pool": "tiny"}, 1)
+        try:
+            OffloadingSpecFactory.create_spec(config).get_worker(kv_caches())
+        except ValueError as exc:
+            return {"error": str(exc)}
+        return {"error": None}
     spec = OffloadingSpecFactory.create_spec(config)
     manager = spec.get_manager()
     kv = kv_caches()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import waiting
 from tests.test_serve import Served, start_serve
 from tests.vllm.server import run_vllm_python
 
@@ -24,7 +25,9 @@ CHILD = Path(__file__).with_name("broker_manager_child.py")
 @pytest.fixture
 def broker(tmp_path: Path) -> Iterator[tuple[Served, str]]:
     sock = str(tmp_path / "run" / "broker.sock")
-    served = start_serve(tmp_path, "--pool", "kv=2MiB", "--share-socket", sock)
+    served = start_serve(
+        tmp_path, "--pool", "kv=2MiB", "--pool", "tiny=64KiB", "--share-socket", sock
+    )
     yield served, sock
     served.kill()
 
@@ -91,3 +94,19 @@ def test_another_prefix_hash_seed_adopts_nothing(broker: tuple[Served, str]) -> 
         (0, {"identity": 2, "unfinished": 1}, "identity", "hash_seed_source"),
         (0, {}, "identity", "hash_seed_source"),
     ]
+
+
+def test_a_pool_smaller_than_the_worker_needs_is_one_clear_error(
+    broker: tuple[Served, str],
+) -> None:
+    served, sock = broker
+    code, small, log = run(sock, "small")
+    assert code == 0 and small is not None, log[-4000:]
+    error = str(small["error"])
+    assert error.startswith("broker pool 'tiny' holds 65536 bytes; this worker needs "), error
+    assert "cpu_bytes_to_use" in error
+    # the lease was ended with the error (the broker sees the connection close)
+    waiting.wait_for(
+        lambda: 'hostpool_broker_leases{pool="tiny"} 0.0' in served.get("/metrics")[1],
+        "the lease of the too-small pool to end",
+    )
