@@ -152,6 +152,18 @@ def test_a_lease_is_exclusive_and_outlives_its_lessee(broker: tuple[Served, str]
     assert served.stop() == 0
 
 
+def index_ended(served: Served, count: int) -> None:
+    """Wait until the broker has ended `count` index leases (each lessee's connection
+    close is seen by its loop, after the lessee process is gone)."""
+
+    def ended() -> bool:
+        lines = served.log().splitlines()
+        return sum('"hostpool.broker_lease_ended"' in x and '"part": "index"' in x
+                   for x in lines) >= count  # fmt: skip
+
+    waiting.wait_for(ended, f"{count} index leases to end", alive=served.proc)
+
+
 def test_the_index_part_is_leased_apart_and_adoptions_are_counted(
     broker: tuple[Served, str],
 ) -> None:
@@ -168,12 +180,13 @@ def test_the_index_part_is_leased_apart_and_adoptions_are_counted(
         assert worker.end() == 0
     finally:
         scheduler.kill()
-    waiting.wait_for_log(served.stderr_path, '"part": "index"', alive=served.proc)
+    index_ended(served, 1)  # the broker saw the killed lessee's connection close
     again = Lessee(sock, "kv", "index", str(4 * page))
     try:
         assert again.report["seen"] == "hello"  # the index outlived its lessee too
     finally:
         assert again.end() == 0
+    index_ended(served, 2)
     # the adoption report of an index lessee reaches the broker's counters
     code = textwrap.dedent(f"""
         from hostpool.broker import lease
@@ -192,6 +205,7 @@ def test_the_index_part_is_leased_apart_and_adoptions_are_counted(
     log = waiting.log_text(served.stderr_path)
     assert "hostpool.broker_adopted" in log and '"field": "dtype"' in log
     # an index of another size is a fresh one: nothing of the old one is handed out
+    index_ended(served, 3)
     fresh = Lessee(sock, "kv", "index", str(8 * page))
     try:
         assert fresh.report["seen"] == "\0" * 5
