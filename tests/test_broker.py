@@ -282,3 +282,55 @@ def test_a_configured_group_may_lease_and_no_one_else(
     bad = helpers.hostpool("serve", "--check", "--pool", "kv=1MiB", "--share-socket", sock,
                            "--share-group", "no-such-group-here")  # fmt: skip
     assert bad.returncode == 2 and "no group 'no-such-group-here'" in bad.stderr, bad.stderr
+
+
+def test_bad_lease_requests_get_one_clear_refusal(tmp_path: os.PathLike[str]) -> None:
+    """Raw requests to an in-process broker: each bad one is refused with its reason (or,
+    malformed, costs only its own connection), and nothing is leased."""
+    import socket
+
+    import torch
+
+    from hostpool import HostPoolManager
+    from hostpool.broker import Broker, lease
+    from hostpool.errors import ShareError
+    from hostpool.share import protocol
+
+    path = os.path.join(tmp_path, "run", "broker.sock")
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def ask(message: dict[str, object]) -> dict[str, object] | None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.settimeout(waiting.DEADLINE)
+            s.connect(path)
+            protocol.send(s, message)
+            try:
+                reply, fds, _ = protocol.receive(s, max_fds=4)
+            except ConnectionError:
+                return None  # malformed: the broker dropped this connection
+            protocol.close_all(fds)
+            return reply
+
+    with HostPoolManager() as manager:
+        t = manager.allocator("kv").allocate((MiB,), torch.uint8)
+        with Broker(manager, path) as broker:
+            refusals = {
+                "index_bytes": ask(
+                    {"op": "lease", "pool": "kv", "part": "index", "index_bytes": page + 1}
+                ),
+                "no pool": ask({"op": "lease", "pool": "nope", "part": "memory"}),
+                "report": ask({"op": "lease_report", "pool": "kv", "adopted": 1, "discarded": {}}),
+            }
+            errors = {k: str((v or {}).get("error")) for k, v in refusals.items()}
+            assert "whole pages" in errors["index_bytes"]
+            assert "no pool 'nope'" in errors["no pool"]
+            assert "does not lease the index" in errors["report"]
+            assert ask({"op": "lease", "pool": "kv", "part": "everything"}) is None
+            assert ask({"op": "lease_report", "pool": "kv"}) is None
+            with lease(path, "kv", memory=False, index_bytes=page) as held:
+                with pytest.raises(ShareError, match="reasons one of"):
+                    held.report(1, {"because": 1})
+                held.report(3, {"torn": 1})
+            assert broker.book.counters() == ({"kv": 3}, {("kv", "torn"): 1})
+            waiting.wait_for(lambda: broker.book.leases() == {}, "the lease to end")
+        del t
