@@ -156,8 +156,9 @@ def sample(fn: Any) -> dict[str, float]:
 
 @contextmanager
 def exporter(prefix: str) -> Iterator[str]:
+    every = ["--min-scan-interval", "0"]  # a scan per scrape: each one is measured
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hostpool", "exporter", "--match", prefix, "--port", "0"],
+        [sys.executable, "-m", "hostpool", "exporter", "--match", prefix, "--port", "0", *every],
         stderr=subprocess.PIPE,
         text=True,
     )
