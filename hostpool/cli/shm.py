@@ -17,11 +17,12 @@ Exit codes: 0 ok; 2 bad usage; 1 the scan could not run here.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 from hostpool.base.units import format_duration, format_size
 from hostpool.cli.command import Subcommand
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         extra = None if pods is None else {"pods": [p.as_json() for p in pods]}
         listed = objects if pods is None else [o for p in pods for o in p.objects]
-        sys.stdout.buffer.write(encode(view, listed, extra) + b"\n")
+        write_json(sys.stdout.buffer, view, listed, extra)
     elif pods is not None:
         render_pods(view, pods, sys.stdout)
     else:
@@ -122,10 +123,32 @@ def encode(
     UTF-8. orjson encodes it ~10x faster where installed (a host lists tens of
     thousands of objects); the standard encoder otherwise, and for names orjson refuses
     (bytes /proc showed that are not UTF-8: escaped as `\\udcXX`, as json does)."""
-    doc = view.as_json()
-    if objects is not None:
-        doc["objects"] = [o.as_json() for o in objects]
+    doc = dataclasses.replace(view, objects=()).as_json()
+    doc["objects"] = [o.as_json() for o in (view.objects if objects is None else objects)]
     doc.update(extra or {})
+    return _dumps(doc)
+
+
+def write_json(
+    out: BinaryIO, view: HostView, objects: Iterable[HostObject], extra: dict[str, Any] | None
+) -> None:
+    """`encode(view, objects, extra)`'s document and a newline, written object by object
+    (one object's dict and a 1 MiB buffer held at a time: a node may list a million)."""
+    rest = dataclasses.replace(view, objects=()).as_json()
+    del rest["objects"]
+    rest.update(extra or {})
+    buf = bytearray(b'{"objects":[')
+    for i, o in enumerate(objects):
+        buf += b"," + _dumps(o.as_json()) if i else _dumps(o.as_json())
+        if len(buf) >= 1 << 20:
+            out.write(buf)
+            buf.clear()
+    buf += b"]," + _dumps(rest)[1:] + b"\n"
+    out.write(buf)
+
+
+def _dumps(doc: dict[str, Any]) -> bytes:
+    """Compact UTF-8 JSON: orjson where installed and able, else the standard encoder."""
     try:
         import orjson
     except ImportError:

@@ -36,8 +36,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Final
 
+from hostpool.host import mountinfo
+from hostpool.host.bounds import LOCAL_FSTYPES, Budget, unsafe_on_the_way
 from hostpool.host.model import Holder, HostObject
-from hostpool.host.mounts import Namespaces, parse_mountinfo
+from hostpool.host.mounts import Namespaces
 
 __all__ = ["NO_POD", "KubeletVolume", "PodRef", "Pods", "kubelet_volume", "parse_cgroup"]
 
@@ -143,31 +145,47 @@ class Pods:
             self._by_pid[pid] = ref
         return ref
 
-    def read_mounts(self, namespaces: Namespaces) -> None:
+    def read_mounts(self, namespaces: Namespaces, budget: Budget | None = None) -> None:
         """The pod of each shared-memory superblock the namespaces' mounts show: a kubelet
         volume's by its path (any namespace), else the pod of every namespace showing it
-        that is a pod's (our own through this process), where they agree."""
-        by_path: dict[int, list[PodRef]] = {}
+        that is a pod's (our own through this process), where they agree. Each table is
+        read as a stream within `budget` (`host/mountinfo`), a namespace shows a
+        superblock if one of its mounts of it is not covered, and no mount point is
+        looked up through a mount that may stall (`host/bounds`)."""
+        budget = budget if budget is not None else Budget()
+        by_path: dict[int, set[PodRef]] = {}
         by_member: dict[int, list[PodRef]] = {}
         members = [("self", os.getpid()), *((str(p), p) for p in namespaces.members.values())]
         for name, pid in members:
+            member = self.of_pid(pid)
+            ways: dict[int, list[str]] = {}  # a pod's namespace: its mount points of each
+            unsafe: set[str] = set()
             try:
-                with open(f"{self._proc}/{name}/mountinfo", "rb") as f:
-                    entries = parse_mountinfo(f.read())
+                for line in mountinfo.lines(f"{self._proc}/{name}/mountinfo", budget):
+                    parsed = mountinfo.parse_line(line)
+                    if parsed is None:
+                        continue
+                    fstype, mountpoint, e = parsed
+                    if fstype not in LOCAL_FSTYPES:
+                        unsafe.add(mountpoint)
+                    if e is None:
+                        continue
+                    volume = kubelet_volume(e.mountpoint)
+                    if volume is not None:
+                        by_path.setdefault(e.st_dev, set()).add(PodRef(volume.pod_uid, None))
+                    elif member.pod_uid is not None and len(ways.get(e.st_dev, ())) < 8:
+                        ways.setdefault(e.st_dev, []).append(e.mountpoint)
             except OSError:
                 continue
-            member = self.of_pid(pid)
             root = "" if name == "self" else f"{self._proc}/{pid}/root"
-            for e in entries:
-                volume = kubelet_volume(e.mountpoint)
-                if volume is not None:
-                    by_path.setdefault(e.st_dev, []).append(PodRef(volume.pod_uid, None))
-                elif member.pod_uid is not None and _shows(root + e.mountpoint, e.st_dev):
-                    by_member.setdefault(e.st_dev, []).append(member)
+            for dev, points in ways.items():
+                if any(unsafe_on_the_way(p, unsafe) is None and _shows(root + p, dev)
+                       for p in points):  # fmt: skip
+                    by_member.setdefault(dev, []).append(member)
         for dev, refs in by_member.items():
             self._by_dev[dev] = _agreed(refs)
-        for dev, refs in by_path.items():  # a volume's path outranks who mounts it
-            self._by_dev[dev] = _agreed(refs)
+        for dev, volumes in by_path.items():  # a volume's path outranks who mounts it
+            self._by_dev[dev] = _agreed(volumes)
 
     def of_dev(self, dev: int) -> PodRef:
         """The pod of the tmpfs or hugetlbfs superblock `dev` (NO_POD: none or unknown)."""

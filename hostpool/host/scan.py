@@ -20,6 +20,7 @@ import stat
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from hostpool.host import mounts
 from hostpool.host.bounds import Budget
@@ -198,7 +199,7 @@ def scan_host(*, deadline: float | None = None, sink: ObjectSink | None = None) 
     _read_processes(scan, every)
     _measure_mapped_only(scan)
     pods = Pods()  # pod_uid and container_id where the node says (host/pods)
-    pods.read_mounts(namespaces)
+    pods.read_mounts(namespaces, budget)
     for obj in _held_objects(scan, now):
         out.add(pods.attribute(obj))
     _files(scan, now, out, pods)
@@ -208,7 +209,7 @@ def scan_host(*, deadline: float | None = None, sink: ObjectSink | None = None) 
     complete = not (scan.truncated or budget.truncated)
     if collected is None:
         return HostView((), sink_totals(out), scan.unreadable, complete, budget.truncated_phase)
-    collected.objects.sort(key=_order)
+    _sort(collected.objects)
     return HostView(tuple(collected.objects), collected.tally.totals(), scan.unreadable,
                     complete, budget.truncated_phase)  # fmt: skip
 
@@ -239,8 +240,11 @@ def _read_processes(scan: _Scan, every: list[int]) -> None:
             budget.spent("processes")
 
 
-def _order(o: HostObject) -> tuple[str, str, str]:
-    return o.engine, o.kind, o.name
+def _sort(objects: list[HostObject]) -> None:
+    """By engine, kind, then name: three stable sorts on one attribute each, so that no
+    key tuple per object is made (a million of them cost ~70 MiB at once)."""
+    for attribute in ("name", "kind", "engine"):
+        objects.sort(key=attrgetter(attribute))
 
 
 def _measure_mapped_only(scan: _Scan) -> None:
