@@ -129,6 +129,7 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) bench/make_run.py
 	-$(PY) bench/gpu_pin.py
 	$(VLLM_PY) bench/vllm_offload.py
+	$(PY) bench/broker_restart.py --engine
 	$(PY) bench/report.py
 
 soak: $(STAMP)
