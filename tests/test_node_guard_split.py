@@ -323,3 +323,20 @@ def test_with_the_daemonsets_capabilities_the_split_is_the_same() -> None:
     numbers = {"sys_ptrace": 19, "dac_read_search": 2, "setuid": 7, "setgid": 6}
     assert reader["CapBnd"] == f"{sum(1 << numbers[c] for c in added):016x}", reader
     assert reader["Seccomp"] == "2" and reader["NoNewPrivs"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--listener-user", "no-such-user-here", "--listener-user: no user 'no-such-user-here'"),
+        ("--min-scan-interval", "-1", "--min-scan-interval must be 0..3600 seconds"),
+        ("--min-scan-interval", "nan", "--min-scan-interval must be 0..3600 seconds"),
+    ],
+)
+def test_a_wrong_split_flag_is_one_line_and_exit_2(flag: str, value: str, message: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "hostpool", "exporter", "--node", flag, value, "--port", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=waiting.DEADLINE,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr, done.stderr
