@@ -340,3 +340,28 @@ def test_a_wrong_split_flag_is_one_line_and_exit_2(flag: str, value: str, messag
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert message in done.stderr, done.stderr
+
+
+# pyseccomp's import fails (as where libseccomp is missing); then the hostpool command line
+WITHOUT_SECCOMP = """
+import runpy, sys
+class NoSeccomp:
+    def find_spec(self, name, path=None, target=None):
+        if name == "pyseccomp":
+            raise ImportError("libseccomp is not on this machine")
+sys.meta_path.insert(0, NoSeccomp())
+sys.argv = ["hostpool", *sys.argv[1:]]
+runpy.run_module("hostpool", run_name="__main__")
+"""
+
+
+def test_without_its_filter_the_reader_does_not_start_and_nothing_is_served() -> None:
+    """Fails closed: no seccomp, no reader, no listener (exit 1, the reason logged)."""
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_SECCOMP, "exporter", "--node", "--port", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=waiting.DEADLINE,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "hostpool.exporter_reader_failed" in done.stderr, done.stderr
+    assert "libseccomp is not on this machine" in done.stderr, done.stderr
+    assert "hostpool.exporter_serving" not in done.stderr, done.stderr
