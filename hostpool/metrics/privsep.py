@@ -283,7 +283,7 @@ def split(
         parent_end.close()
         end_reader(pid)
         raise UnavailableError(
-            "hostpool exporter: its reader did not start (hostpool.exporter_reader_failed says why)"
+            "its reader did not start (hostpool.exporter_reader_failed says why)"
         )
     parent_end.settimeout(None)
     return parent_end, pid
