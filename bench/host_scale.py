@@ -214,7 +214,7 @@ def main() -> int:
             print(json.dumps(cases[-1]), flush=True)
     data = {
         "bench": "host_scale",
-        "when": utc_now(),
+        "date": utc_now(),
         "label": args.label,
         "machine": machine_facts(),
         "limits_mib": {"node": LIMIT_MIB, "shm": SHM_LIMIT_MIB},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench._common import RESULTS_DIR, read_json
 from bench.report_tables import machine_line
 
 VERDICT = {True: "pass", False: "**fail**"}
@@ -69,4 +70,52 @@ def render_host_scan(data: dict[str, Any], ctx: object) -> str:
     return "\n".join(lines)
 
 
-HOST = {"host_scan": render_host_scan}
+def render_host_scale(data: dict[str, Any], ctx: object) -> str:
+    """bench/host_scale.py: each case's node scrape and `shm --json`, wall time and peak
+    RSS, beside the same cases run on the code before the bounds (host_scale_old.json)."""
+    old_path = RESULTS_DIR / "host_scale_old.json"
+    old = read_json(old_path) if old_path.exists() else {"cases": []}
+    before = {(c["case"], r["side"]): r for c in old["cases"] for r in c["runs"]}
+    limits = data["limits_mib"]
+    lines = [
+        "| case | side | wall | peak RSS (VmHWM) | truncated (phase) | before the bounds: "
+        "wall, peak RSS, truncated |",
+        "| --- | --- | ---: | ---: | --- | --- |",
+    ]
+    for case in data["cases"]:
+        what = {
+            "files": f"{case['count']:,} empty files in one directory",
+            "deep": f"{case['count']:,} directories deep, a file every 3 levels",
+            "mounts": f"{case['namespaces']} namespaces x {case['count']:,} bind mounts",
+        }[case["case"]]
+        for run in case["runs"]:
+            side = run["side"]
+            truncated = "yes" if run.get("truncated") else "no"
+            if run.get("phase"):
+                truncated += f" ({', '.join(run['phase'])})"
+            was = before.get((case["case"], side))
+            then = (
+                f"{was['seconds']:.1f} s, {was['vmhwm_mib']:,.0f} MiB, "
+                f"{'yes' if was.get('truncated') else 'no'}"
+                if was
+                else "-"
+            )
+            truncated = truncated if side == "node" else "-"
+            then = then if side == "node" or not was else then.rpartition(",")[0]
+            lines.append(
+                f"| {what} | {side} | {run['seconds']:.1f} s | {run['vmhwm_mib']:,.0f} MiB "
+                f"| {truncated} | {then} |"
+            )
+    lines += [
+        "",
+        f"node: one `exporter --node` scrape (the reader's `HostCollector.collect()`, 5 s "
+        f"budget; the DaemonSet's limit is {limits['node']} MiB); shm: `hostpool shm "
+        f"--json` (no budget; at most {limits['shm']} MiB). Each side a fresh process in "
+        "a private mount namespace holding the case. "
+        f"{machine_line(data, sglang=False)}; `bench/results/host_scale.json` and "
+        "`host_scale_old.json`.",
+    ]
+    return "\n".join(lines)
+
+
+HOST = {"host_scan": render_host_scan, "host_scale": render_host_scale}

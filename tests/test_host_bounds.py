@@ -40,7 +40,7 @@ def _expiring_in(monkeypatch: pytest.MonkeyPatch, phase: str) -> None:
     if phase == "mountinfo":
         real_table = mountinfo.read_table
 
-        def table(path: str, budget: Budget, area: Callable[[str, str], str]) -> Any:
+        def table(path: str, budget: Budget, area: Callable[[str, str], Any]) -> Any:
             _expire(budget)  # a mount table the kernel is slow to give
             return real_table(path, budget, area)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from hostpool.host.bounds import LOCAL_FSTYPES, Budget
+from hostpool.host.model import Area
 
 SHM_FSTYPES: Final = frozenset({"tmpfs", "devtmpfs", "hugetlbfs"})
 CHUNK: Final = 1 << 16
@@ -103,13 +104,13 @@ class Table:
 
     candidates: dict[int, list[MountEntry]] = field(default_factory=dict)
     fstypes: dict[int, str] = field(default_factory=dict)
-    views: dict[int, set[tuple[str, str]]] = field(default_factory=dict)
+    views: dict[int, set[tuple[str, Area]]] = field(default_factory=dict)
     points: set[str] = field(default_factory=set)  # every mount point
     unsafe: set[str] = field(default_factory=set)  # mount points of non-local types
     complete: bool = True  # False: the budget ran out, or views past MAX_VIEWS
 
 
-def read_table(path: str, budget: Budget, area: Callable[[str, str], str]) -> Table:
+def read_table(path: str, budget: Budget, area: Callable[[str, str], Area]) -> Table:
     """One namespace's table (`area(mountpoint, fstype)`: a view's area). Raises OSError
     when `path` cannot be opened."""
     table = Table()

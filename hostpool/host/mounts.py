@@ -171,7 +171,7 @@ def superblocks(namespaces: Namespaces, budget: Budget | None = None) -> Superbl
             continue  # gone, or not ours to read
         fstypes.update(table.fstypes)
         for dev, seen in table.views.items():
-            views.setdefault(dev, set()).update(seen)  # type: ignore[arg-type]
+            views.setdefault(dev, set()).update(seen)
         if not table.complete:
             complete = False
             if budget.truncated:

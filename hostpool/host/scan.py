@@ -24,10 +24,10 @@ from operator import attrgetter
 
 from hostpool.host import mounts
 from hostpool.host.bounds import Budget
-from hostpool.host.model import Holder, HostObject, HostTotals, HostView, Identity, ObjectKind
+from hostpool.host.model import Holder, HostObject, HostView, Identity, ObjectKind
 from hostpool.host.mounts import TmpfsMount, pids, tmpfs_dirs
 from hostpool.host.pods import Pods
-from hostpool.host.sink import Collected, ObjectSink, Seen, Tally, make_object, newest
+from hostpool.host.sink import Collected, ObjectSink, Seen, make_object, newest
 from hostpool.host.sysv import Segment, read_segments
 from hostpool.proc.hostread import (
     HROW_CTIME,
@@ -183,8 +183,12 @@ def scan_host(*, deadline: float | None = None, sink: ObjectSink | None = None) 
     without, the view holds them all, sorted by engine, kind and name."""
     now = time.time()
     budget = Budget(deadline)
-    collected = Collected(now) if sink is None else None
-    out: ObjectSink = collected if collected is not None else sink  # type: ignore[assignment]
+    collected: Collected | None = None
+    out: ObjectSink
+    if sink is None:
+        out = collected = Collected(now)
+    else:
+        out = sink
     every = pids()
     namespaces = mounts.mount_namespaces(every)
     blocks = mounts.superblocks(namespaces, budget)
@@ -208,16 +212,10 @@ def scan_host(*, deadline: float | None = None, sink: ObjectSink | None = None) 
             out.add(pods.attribute(obj))
     complete = not (scan.truncated or budget.truncated)
     if collected is None:
-        return HostView((), sink_totals(out), scan.unreadable, complete, budget.truncated_phase)
+        return HostView((), out.tally.totals(), scan.unreadable, complete, budget.truncated_phase)
     _sort(collected.objects)
     return HostView(tuple(collected.objects), collected.tally.totals(), scan.unreadable,
                     complete, budget.truncated_phase)  # fmt: skip
-
-
-def sink_totals(sink: ObjectSink) -> HostTotals:
-    """The totals a sink counted (its `tally`), else none counted."""
-    tally = getattr(sink, "tally", None)
-    return tally.totals() if isinstance(tally, Tally) else Tally().totals()
 
 
 def _read_processes(scan: _Scan, every: list[int]) -> None:

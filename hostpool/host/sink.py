@@ -34,7 +34,10 @@ from hostpool.proc.hostread import PathInfo
 
 
 class ObjectSink(Protocol):
-    """What a scan hands its findings to (see the module)."""
+    """What a scan hands its findings to (see the module); `tally` counts the totals of
+    everything handed to it."""
+
+    tally: Tally
 
     def add(self, obj: HostObject) -> None:
         """An object some process holds, or a memfd, anonymous region, SysV segment."""
