@@ -114,11 +114,16 @@ def private_tmpfs(
     if hold is not None:  # the sleeper holds this one open
         script.append(f'exec 3< "$0/{hold}"')
     script.append("echo ready && exec sleep 600")
-    proc = subprocess.Popen(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", " && ".join(script), mountpoint],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", " && ".join(script)]
+    with ready_sleeper([*argv, mountpoint]) as proc:
+        yield proc
+
+
+@contextmanager
+def ready_sleeper(argv: list[str], **popen: Any) -> Iterator[subprocess.Popen[str]]:
+    """`argv` (with `popen`'s extra Popen arguments) started with its stdout piped; yields
+    once its first line is `ready`; killed at the end."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, **popen)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         yield proc

@@ -274,17 +274,9 @@ def node_tmpfs(extra: list[str]) -> Iterator[subprocess.Popen[str]]:
             f"head -c {(i + 1) * PAGE} /dev/zero > '{mountpoint}/f'",
         ]
     script += [*extra, "echo ready", "exec sleep 600"]
-    proc = subprocess.Popen(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", "\n".join(script)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", "\n".join(script)]
+    with hostobjects.ready_sleeper(argv) as proc:
         yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_each_file_has_its_area_and_only_some_areas_orphan(root: None) -> None:
@@ -444,16 +436,20 @@ def scan_with_few_fds(limit: int, under: str) -> dict[str, Any]:
     return result
 
 
+@contextmanager
+def shm_tree(tree: str) -> Iterator[str]:
+    """A sleeper in a private mount namespace whose /dev/shm is a fresh tmpfs laid out by
+    `tree` (shell, run in it); yields that /dev/shm's path as the host sees it."""
+    setup = f"mount -t tmpfs hostpool-test /dev/shm && cd /dev/shm && {tree}"
+    with python("import sys; print('{}', flush=True); sys.stdin.read()",
+                prefix=in_namespace(setup)) as (proc, _):  # fmt: skip
+        yield f"/proc/{proc.pid}/root/dev/shm/"
+
+
 def test_a_wide_tree_is_walked_whole_with_few_fds(root: None) -> None:
     """300 directories side by side, walked with 64 fds: every file found (the walk
     holds one fd per level, not one per directory waiting to be walked)."""
-    setup = (
-        "mount -t tmpfs hostpool-test /dev/shm && cd /dev/shm && "
-        "for i in $(seq 300); do mkdir d$i && echo x > d$i/f; done"
-    )
-    with python("import sys; print('{}', flush=True); sys.stdin.read()",
-                prefix=in_namespace(setup)) as (proc, _):  # fmt: skip
-        under = f"/proc/{proc.pid}/root/dev/shm/"
+    with shm_tree("for i in $(seq 300); do mkdir d$i && echo x > d$i/f; done") as under:
         got = scan_with_few_fds(64, under)
     assert got["complete"] and len(got["found"]) == 300
 
@@ -461,13 +457,7 @@ def test_a_wide_tree_is_walked_whole_with_few_fds(root: None) -> None:
 def test_a_walk_that_runs_out_of_fds_says_incomplete(root: None) -> None:
     """A chain 40 directories deep, walked with 30 fds: EMFILE part way down, and the
     view says it is not complete."""
-    setup = (
-        "mount -t tmpfs hostpool-test /dev/shm && cd /dev/shm && "
-        "for i in $(seq 40); do mkdir d && cd d; done && echo x > f"
-    )
-    with python("import sys; print('{}', flush=True); sys.stdin.read()",
-                prefix=in_namespace(setup)) as (proc, _):  # fmt: skip
-        under = f"/proc/{proc.pid}/root/dev/shm/"
+    with shm_tree("for i in $(seq 40); do mkdir d && cd d; done && echo x > f") as under:
         got = scan_with_few_fds(30, under)
     assert not got["complete"] and got["found"] == []
 
@@ -476,14 +466,8 @@ def test_a_tree_deeper_than_the_walk_goes_says_incomplete(root: None) -> None:
     """Directories below MAX_DEPTH levels are skipped (the walk holds one fd per level):
     the view says it is not complete."""
     depth = mounts.MAX_DEPTH + 2
-    setup = (
-        "mount -t tmpfs hostpool-test /dev/shm && cd /dev/shm && "
-        f"for i in $(seq {depth}); do mkdir d && cd d; done && echo x > f"
-    )
-    with python("import sys; print('{}', flush=True); sys.stdin.read()",
-                prefix=in_namespace(setup)) as (proc, _):  # fmt: skip
+    with shm_tree(f"for i in $(seq {depth}); do mkdir d && cd d; done && echo x > f") as under:
         view = scan_host()
-        under = f"/proc/{proc.pid}/root/dev/shm/"
         assert not view.complete
         assert not [o for o in view.objects if o.path and o.path.startswith(under)]
 
