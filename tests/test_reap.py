@@ -28,7 +28,7 @@ from hostpool.cli import build_parser
 from hostpool.errors import InvalidRequestError
 from hostpool.host import reap, scan, sysv
 from hostpool.host.model import ENGINES, HostObject, HostView
-from tests import helpers
+from tests import helpers, hostobjects
 
 ROOT = Path(__file__).resolve().parents[1]
 DROP_IN = ROOT / "deploy" / "systemd" / "vllm.service.d" / "hostpool-reap.conf"
@@ -101,33 +101,22 @@ def holder(path: str, how: str) -> Iterator[subprocess.Popen[str]]:
         "print('ready', flush=True)\n"
         "sys.stdin.read()\n"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, path, how], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    with hostobjects.ready_sleeper([sys.executable, "-c", code, path, how],
+                                   stdin=subprocess.PIPE) as proc:  # fmt: skip
         yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @contextmanager
-def private_tmpfs() -> Iterator[tuple[int, str]]:
-    """A private mount namespace whose /dev/shm is its own tmpfs, kept alive by a sleeping
-    process: (its pid, the path this process reaches that /dev/shm by)."""
-    script = "mount -t tmpfs -o size=16m hostpool-reaptest /dev/shm && echo ready && exec sleep 600"
-    proc = subprocess.Popen(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-        yield proc.pid, f"/proc/{proc.pid}/root/dev/shm"
-    finally:
-        proc.kill()  # its namespace, and the tmpfs with whatever is left on it, go with it
-        proc.wait()
+def private_tmpfs(mountpoint: str = "/dev/shm") -> Iterator[tuple[int, str]]:
+    """A private mount namespace with its own tmpfs on `mountpoint`, kept alive by a
+    sleeping process: (its pid, the path this process reaches that tmpfs by). Killing the
+    sleeper at the end takes the namespace, and the tmpfs with whatever is left on it."""
+    script = (
+        f"mount -t tmpfs -o size=16m hostpool-reaptest {mountpoint} && echo ready && exec sleep 600"
+    )
+    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+    with hostobjects.ready_sleeper(argv) as proc:
+        yield proc.pid, f"/proc/{proc.pid}/root{mountpoint}"
 
 
 def hostpool(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:

@@ -511,14 +511,7 @@ def test_unknown_is_never_reaped_outside_orphan_areas(area: Area | None, reason:
 
 def test_a_system_tmpfs_is_never_reaped_whatever_the_flags() -> None:
     """A tmpfs at /run (a private namespace's own): its unheld files, of any name, stay."""
-    script = "mount -t tmpfs -o size=16m hostpool-reaptest /run && echo ready && exec sleep 600"
-    keeper = subprocess.Popen(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert keeper.stdout is not None and keeper.stdout.readline() == "ready\n"
-        run = f"/proc/{keeper.pid}/root/run"
+    with private_tmpfs("/run") as (_pid, run):
         names = sorted([orphan_name(), "token"])
         for name in names:
             plant(f"{run}/{name}")
@@ -530,9 +523,6 @@ def test_a_system_tmpfs_is_never_reaped_whatever_the_flags() -> None:
         mine = [s for s in doc["skipped"] if (s["path"] or "").startswith(f"{run}/")]
         # not orphans to the scan (`system` is no ORPHAN_AREAS area), or left alone by reap
         assert all(s["reason"] == "system files are never reaped" for s in mine), mine
-    finally:
-        keeper.kill()
-        keeper.wait()
 
 
 def test_reap_yes_keeps_what_it_cannot_prove_and_exits_1() -> None:
