@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -586,3 +587,12 @@ def package_sources(tmp_path: Path, *ignore: str) -> Path:
     for tree in ("hostpool", "build_support"):
         shutil.copytree(root / tree, source / tree, ignore=shutil.ignore_patterns(*ignore))
     return source
+
+
+def in_threads(target: Callable[[], object], count: int) -> None:
+    """`target` run in `count` threads started together; returns once every one ended."""
+    threads = [threading.Thread(target=target) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()

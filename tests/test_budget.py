@@ -168,11 +168,7 @@ def _race(alloc: Any, threads: int) -> tuple[list[torch.Tensor], list[str]]:
         with lock:
             kept.append(t)
 
-    workers = [threading.Thread(target=grab) for _ in range(threads)]
-    for th in workers:
-        th.start()
-    for th in workers:
-        th.join()
+    helpers.in_threads(grab, threads)
     return kept, refused
 
 
