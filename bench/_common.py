@@ -237,6 +237,11 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def write_result(path: Path, **fields: Any) -> None:
+    """A bench's result file: `fields`, then the date (UTC) and the machine's facts."""
+    write_json(path, {**fields, "date": utc_now(), "machine": machine_facts()})
+
+
 def read_json(path: Path) -> dict[str, Any]:
     data = json.loads(path.read_text())
     if not isinstance(data, dict):

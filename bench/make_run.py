@@ -28,14 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import (
-    REPO_ROOT,
-    RESULTS_DIR,
-    machine_facts,
-    other_cpu,
-    utc_now,
-    write_json,
-)
+from bench._common import REPO_ROOT, RESULTS_DIR, other_cpu, write_result
 
 RESULTS = RESULTS_DIR / "make_run.json"
 TARGET_S = 30.0
@@ -115,17 +108,13 @@ def main() -> int:
     rounds = [one_round(args.size) for _ in range(args.rounds)]
     for i, r in enumerate(rounds):
         print(f"round {i}: /metrics {r['metrics_s']:.1f} s, venv {r['venv_bytes']:,} bytes")
-    write_json(
+    write_result(
         args.output,
-        {
-            "bench": "make_run",
-            "date": utc_now(),
-            "commit": rounds[0]["commit"],
-            "config": {"rounds": args.rounds, "size": args.size},
-            "targets": {"metrics_s": TARGET_S},
-            "machine": machine_facts(),
-            "rounds": rounds,
-        },
+        bench="make_run",
+        commit=rounds[0]["commit"],
+        config={"rounds": args.rounds, "size": args.size},
+        targets={"metrics_s": TARGET_S},
+        rounds=rounds,
     )
     return 0
 

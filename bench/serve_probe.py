@@ -36,12 +36,10 @@ from bench._common import (
     RESULTS_DIR,
     GiB,
     format_size,
-    machine_facts,
     meminfo,
     other_cpu,
     parse_size,
-    utc_now,
-    write_json,
+    write_result,
 )
 from bench.serve_stop import LogLines
 
@@ -157,15 +155,11 @@ def main() -> int:
         f"{'met' if result['target_met'] else 'MISSED'}",
         file=sys.stderr,
     )
-    write_json(
+    write_result(
         args.output,
-        {
-            "benchmark": "serve_probe",
-            "date": utc_now(),
-            "machine": machine_facts(),
-            "targets": {"p99_s": P99_TARGET_S},
-            "result": result,
-        },
+        benchmark="serve_probe",
+        targets={"p99_s": P99_TARGET_S},
+        result=result,
     )
     return 0
 

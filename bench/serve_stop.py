@@ -41,12 +41,10 @@ from bench._common import (
     RESULTS_DIR,
     GiB,
     format_size,
-    machine_facts,
     meminfo,
     other_cpu,
     parse_size,
-    utc_now,
-    write_json,
+    write_result,
 )
 
 RESULTS = RESULTS_DIR / "serve_stop.json"
@@ -261,16 +259,12 @@ def main() -> int:
             f"{m['serve_stopped_to_exit_s']:.3f} s; other cpus {case['other_cpus']:.2f}",
             file=sys.stderr,
         )
-    write_json(
+    write_result(
         args.output,
-        {
-            "benchmark": "serve_stop",
-            "date": utc_now(),
-            "machine": machine_facts(),
-            "targets": {"ratio": RATIO_TARGET, "last_release_to_exit_s": TAIL_TARGET_S},
-            "cases": cases,
-            "skipped": skipped,
-        },
+        benchmark="serve_stop",
+        targets={"ratio": RATIO_TARGET, "last_release_to_exit_s": TAIL_TARGET_S},
+        cases=cases,
+        skipped=skipped,
     )
     return 0
 
