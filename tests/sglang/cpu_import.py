@@ -15,6 +15,8 @@ import importlib
 import importlib.machinery
 import sys
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 SGLANG_VERSION = "0.5.23"
@@ -75,3 +77,21 @@ def load_sglang() -> Any:
     for name in HOST_POOL_MODULES:
         importlib.import_module(name)
     return importlib.import_module("sglang.srt.mem_cache.memory_pool_host")
+
+
+@contextmanager
+def integration_installed() -> Iterator[None]:
+    """The real sglang loaded (load_sglang) with hostpool's integration installed; at the
+    end the integration is uninstalled again unless it was installed before."""
+    # imported here: scripts that take only the stand-ins from this module (launch_with_standin)
+    # keep the import order they had, hostpool's integration first imported by whoever runs them
+    from hostpool.integrations import sglang as integration
+
+    was = integration.installed()
+    load_sglang()
+    integration.install()
+    try:
+        yield
+    finally:
+        if not was:
+            integration.uninstall()

@@ -13,20 +13,15 @@ import pytest
 import torch
 
 from hostpool.core.ledger import get_ledger
-from hostpool.integrations import sglang as integration
 from tests import helpers
 from tests.sglang import pools
-from tests.sglang.cpu_import import load_sglang
+from tests.sglang.cpu_import import integration_installed
 
 
 @pytest.fixture(scope="module")
 def sglang_installed() -> Iterator[None]:
-    was = integration.installed()
-    load_sglang()
-    integration.install()
-    yield
-    if not was:
-        integration.uninstall()
+    with integration_installed():
+        yield
 
 
 def _releases(pool: str) -> dict[str, int]:
