@@ -215,16 +215,23 @@ def scans_in_flood(url: str, clients: int, seconds: float) -> tuple[list[float],
 def test_a_flood_of_scrapes_costs_one_scan_per_interval() -> None:
     """Issue 43, point 5: 8 clients scraping for 5 s ran 644-1438 host scans (one per
     answer); now one scan's result answers every scrape for --min-scan-interval (1 s):
-    at most 6 scans in 5 s, each answer naming its scan, and many answers."""
+    at most 6 scans in 5 s, however long each takes (a busy host's scan may take the
+    whole budget), each answer naming its scan; and a scrape after the interval gets a
+    new one."""
     with exporter("--node", "--min-scan-interval", "1") as served:
         seen, answers = scans_in_flood(served.url, clients=8, seconds=5.0)
-        _, after = exporting.scrape(served.url)
-    scans = sorted(set(seen))
-    assert scans == list(range(1, len(scans) + 1)) or scans[0] >= 1, scans
-    # the first scan may have started before the flood: 5 s span at most 6 intervals
-    assert 2 <= len(scans) <= 6, (scans, answers)
-    assert answers > 5 * len(scans), answers  # the answers are many: the listener is cheap
-    assert exporting.value(after, "hostpool_exporter_scans_total") <= max(scans) + 1
+        scans = sorted(set(seen))
+        assert 1 <= len(scans) <= 6, (scans, answers)
+        assert answers >= 8, answers  # every client was answered, none waited for long
+
+        def next_scan() -> float | None:
+            count = exporting.value(
+                exporting.scrape(served.url)[1], "hostpool_exporter_scans_total"
+            )
+            return count if count > max(scans) else None
+
+        newer = waiting.wait_for(next_scan, "a new scan once the interval passed", interval=0.2)
+    assert newer == max(scans) + 1  # one scan at a time: none ran unasked
 
 
 @root_only
