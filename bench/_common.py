@@ -12,7 +12,9 @@ import json
 import os
 import platform
 import re
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from importlib import metadata
@@ -227,6 +229,75 @@ def resident_bytes(address: int, length: int) -> int:
         raise OSError(err, f"mincore: {os.strerror(err)}")
     absent = bytes(vec).count(0)  # only bit 0 is defined; the rest are zero
     return min(length, (pages - absent) * PAGE)
+
+
+class LogLines:
+    """Reads a pipe on a thread, keeping every line."""
+
+    def __init__(self, stream: Any) -> None:
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: Any) -> None:
+        for line in stream:
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+        with self.changed:
+            self.lines.append("")  # end of stream
+            self.changed.notify_all()
+
+    def wait_for(
+        self, pattern: str, proc: subprocess.Popen[str], within: float = 600.0
+    ) -> re.Match[str]:
+        """The first line (from the start) matching `pattern`; RuntimeError once `proc`
+        has exited without one, or after `within` seconds (an upper bound for a busy
+        host, not a figure)."""
+        deadline = time.monotonic() + within
+        seen = 0
+        with self.changed:
+            while True:
+                for line in self.lines[seen:]:
+                    match = re.search(pattern, line)
+                    if match is not None:
+                        return match
+                    if line == "":
+                        said = "".join(self.lines[-5:])
+                        raise RuntimeError(f"exited {proc.wait()} before {pattern!r}: {said}")
+                seen = len(self.lines)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no {pattern!r} within {within} s")
+                self.changed.wait(1.0)
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+def start_serve(size: int) -> tuple[subprocess.Popen[str], LogLines]:
+    """`hostpool serve --port 0 --pool kv=SIZE` from this checkout, and its log (stderr,
+    JSON lines) read as it comes."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hostpool", "serve", "--port", "0", "--pool", f"kv={size}"],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return proc, LogLines(proc.stderr)
+
+
+def too_big(size: int, headroom: int = 2 * GiB) -> str | None:
+    """Why `size` bytes may not be populated now, or None when they may: MemAvailable must
+    keep `headroom` bytes for the rest of the machine."""
+    available = meminfo().get("MemAvailable", 0)
+    if size + headroom <= available:
+        return None
+    return (
+        f"MemAvailable {format_size(available)} < {format_size(size)} + "
+        f"{format_size(headroom)} headroom"
+    )
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -32,20 +31,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import (
-    REPO_ROOT,
     RESULTS_DIR,
-    GiB,
     format_size,
-    meminfo,
     other_cpu,
     parse_size,
+    start_serve,
+    too_big,
     write_result,
 )
-from bench.serve_stop import LogLines
 
 RESULTS = RESULTS_DIR / "serve_probe.json"
 P99_TARGET_S = 0.1
-HEADROOM = 2 * GiB
 ENDPOINTS = ("/healthz", "/readyz", "/metrics")
 TIMEOUT_S = 30.0  # a probe that takes this long counts as this long (and fails the target)
 
@@ -72,14 +68,7 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def run(size: int, pause: float) -> dict[str, Any]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hostpool", "serve", "--port", "0", "--pool", f"kv={size}"],
-        cwd=REPO_ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines = LogLines(proc.stderr)
+    proc, lines = start_serve(size)
     samples: dict[str, list[tuple[int, float]]] = {e: [] for e in ENDPOINTS}
     try:
         base = lines.wait_for(r'"url": "(http://[^"]+?)/"', proc).group(1)
@@ -134,13 +123,9 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     size = parse_size(args.size)
-    available = meminfo().get("MemAvailable", 0)
-    if size + HEADROOM > available:
-        print(
-            f"MemAvailable is {format_size(available)}: {format_size(size)} would leave less "
-            f"than {format_size(HEADROOM)} to the rest of the machine; use a smaller --size",
-            file=sys.stderr,
-        )
+    refused = too_big(size)
+    if refused is not None:
+        print(f"{refused}: use a smaller --size", file=sys.stderr)
         return 1
     result = run(size, args.pause)
     for endpoint, e in result["endpoints"].items():

@@ -22,12 +22,10 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import re
 import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -37,13 +35,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import (
-    REPO_ROOT,
     RESULTS_DIR,
-    GiB,
     format_size,
-    meminfo,
     other_cpu,
     parse_size,
+    start_serve,
+    too_big,
     write_result,
 )
 
@@ -51,7 +48,6 @@ RESULTS = RESULTS_DIR / "serve_stop.json"
 RATIO_TARGET = 1.2
 TAIL_TARGET_S = 0.5
 DEADLINE_S = 600.0  # an upper bound for populating 16 GiB on a busy host, not a figure
-HEADROOM = 2 * GiB  # left to the rest of the machine when checking MemAvailable
 
 BARE = r"""
 import ctypes, os, signal, sys, threading
@@ -89,45 +85,6 @@ def _wall(stamp: str) -> float:
     return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
-class LogLines:
-    """Reads a pipe on a thread, keeping every line."""
-
-    def __init__(self, stream: Any) -> None:
-        self.lines: list[str] = []
-        self.changed = threading.Condition()
-        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _read(self, stream: Any) -> None:
-        for line in stream:
-            with self.changed:
-                self.lines.append(line)
-                self.changed.notify_all()
-        with self.changed:
-            self.lines.append("")  # end of stream
-            self.changed.notify_all()
-
-    def wait_for(self, pattern: str, proc: subprocess.Popen[str]) -> re.Match[str]:
-        deadline = time.monotonic() + DEADLINE_S
-        seen = 0
-        with self.changed:
-            while True:
-                for line in self.lines[seen:]:
-                    match = re.search(pattern, line)
-                    if match is not None:
-                        return match
-                    if line == "":
-                        said = "".join(self.lines[-5:])
-                        raise RuntimeError(f"exited {proc.wait()} before {pattern!r}: {said}")
-                seen = len(self.lines)
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"no {pattern!r} within {DEADLINE_S} s")
-                self.changed.wait(1.0)
-
-    def join(self) -> None:
-        self._thread.join()
-
-
 def _ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/readyz", timeout=30) as r:
@@ -137,14 +94,7 @@ def _ready(url: str) -> bool:
 
 
 def stop_serve(size: int) -> dict[str, Any]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hostpool", "serve", "--port", "0", "--pool", f"kv={size}"],
-        cwd=REPO_ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines = LogLines(proc.stderr)
+    proc, lines = start_serve(size)
     try:
         match = lines.wait_for(r'"url": "(http://[^"]+?)/?"', proc)
         url = match.group(1).removesuffix("/metrics")
@@ -242,12 +192,9 @@ def main() -> int:
     cases: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     for size in sizes:
-        available = meminfo().get("MemAvailable", 0)
-        if size + HEADROOM > available:
-            skipped[format_size(size)] = (
-                f"MemAvailable {format_size(available)} < {format_size(size)} + "
-                f"{format_size(HEADROOM)} headroom"
-            )
+        refused = too_big(size)
+        if refused is not None:
+            skipped[format_size(size)] = refused
             print(f"{format_size(size)}: skipped ({skipped[format_size(size)]})", file=sys.stderr)
             continue
         case = cases[format_size(size)] = run_size(size, args.rounds)
