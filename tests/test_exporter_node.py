@@ -295,13 +295,14 @@ class Objects:
     orphan_path: str
     orphan_bytes: int  # st_blocks of the orphaned file
     shmid: int
-    aged: float  # the orphaned file's mtime lies this far back
+    changed: float  # the orphaned file's ctime: its age counts from here (its mtime is older)
 
 
 @pytest.fixture
 def objects() -> Iterator[Objects]:
     """A memfd a child holds; vLLM's offload file left in /dev/shm by no one (its mtime an
-    hour back); a SysV segment with 7 pages touched and no attachment. All removed after."""
+    hour back, as `cp -a` leaves it: its age still counts from its ctime); a SysV segment
+    with 7 pages touched and no attachment. All removed after."""
     tag = secrets.token_hex(6)
     holder = helpers.python_child(HOLDER, tag)
     path = f"/dev/shm/vllm_offload_{tag}.mmap"
@@ -311,10 +312,10 @@ def objects() -> Iterator[Objects]:
             os.write(fd, b"\1" * (2 * MiB + 3 * PAGE))
         finally:
             os.close(fd)
-        aged = 3600.0
-        os.utime(path, (time.time() - aged, time.time() - aged))
+        os.utime(path, (time.time() - 3600, time.time() - 3600))
+        st = os.stat(path)
         with helpers.sysv_segment(MiB, 7 * PAGE) as shmid:
-            yield Objects(tag, holder, path, os.stat(path).st_blocks * 512, shmid, aged)
+            yield Objects(tag, holder, path, st.st_blocks * 512, shmid, st.st_ctime)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -378,6 +379,7 @@ def test_the_node_view_is_the_scan_of_the_real_host(
     scans bracket it; the objects made here are in it; no name, path or pid in a label."""
     url = start_exporter("--node")
     last: dict[str, object] = {}
+    started = time.time()
 
     def bracketed() -> tuple[str, exporting.Samples] | None:
         # scanned with the exporter's reader's capabilities (tests/readerscan)
@@ -409,7 +411,10 @@ def test_the_node_view_is_the_scan_of_the_real_host(
     )
     assert objects.orphan_bytes >= 2 * MiB + 3 * PAGE
     assert summed(got, "hostpool_host_shm_objects", "vllm", "file", "orphaned") >= 1
-    assert got[("hostpool_host_shm_oldest_orphan_age_seconds", ("vllm",))] >= objects.aged
+    # age is the newest of mtime and ctime: the backdated mtime does not make it older
+    assert got[("hostpool_host_shm_oldest_orphan_age_seconds", ("vllm",))] >= (
+        started - objects.changed
+    )
     assert summed(got, "hostpool_host_shm_bytes", "hostpool", "memfd", "held") >= 5 * PAGE
     assert summed(got, "hostpool_host_shm_bytes", "unknown", "sysv", "orphaned") >= 7 * PAGE
     # the accounting closes within one scrape
