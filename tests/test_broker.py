@@ -1,7 +1,8 @@
 """The broker (`hostpool serve --share-socket`) lends its pools to real processes: a lease
 is exclusive (the second is refused naming the holder's pid), a lessee killed with
 SIGKILL ends its lease and the broker keeps the memory and what was written, only the
-broker's uid may connect, and the leases and adoptions show on serve's /metrics."""
+broker's uid may connect, and the leases and adoptions show on serve's /metrics and in
+the lease ledger's plain data (/debug/pools: each lease with its lessee's pid)."""
 
 from __future__ import annotations
 
@@ -117,6 +118,11 @@ def test_a_lease_is_exclusive_and_outlives_its_lessee(broker: tuple[Served, str]
         assert first.report["sizes"] == [CHUNK] * 4 and first.report["size"] == POOL
         assert first.report["firsts"] == [1, 2, 3, 4]
         assert metric(served, "hostpool_broker_leases", pool="kv") == 1
+        # the lease is in the ledger's plain data: /debug/pools names its lessee
+        (held,) = pool_doc(served, "kv")["leases"]  # type: ignore[misc]
+        assert held["part"] == "memory" and held["pid"] == first.report["pid"], held
+        assert held["uid"] == os.getuid() and held["since"].endswith("Z"), held
+        assert pool_doc(served, "meta")["leases"] == []
         second = Lessee(sock, "kv", "read")
         assert second.proc.wait(timeout=waiting.DEADLINE) == 1
         error = second.report["error"]
@@ -131,6 +137,7 @@ def test_a_lease_is_exclusive_and_outlives_its_lessee(broker: tuple[Served, str]
         )
         assert "connection closed" in log and f"{first.report['pid']}" in log
         assert metric(served, "hostpool_broker_leases", pool="kv") == 0
+        assert pool_doc(served, "kv")["leases"] == []  # gone with its SIGKILLed lessee
         assert (
             metric(served, "hostpool_allocated_bytes", allocator="shm", page_size="4KiB", pool="kv")
             == allocated
@@ -150,6 +157,14 @@ def test_a_lease_is_exclusive_and_outlives_its_lessee(broker: tuple[Served, str]
     finally:
         first.kill()
     assert served.stop() == 0
+
+
+def pool_doc(served: Served, pool: str) -> dict[str, object]:
+    """The pool's entry in serve's /debug/pools (its lease ledger's state included)."""
+    status, body = served.get("/debug/pools")
+    assert status == 200, body
+    entry: dict[str, object] = json.loads(body)["pools"][pool]
+    return entry
 
 
 def index_ended(served: Served, count: int) -> None:
@@ -177,6 +192,9 @@ def test_the_index_part_is_leased_apart_and_adoptions_are_counted(
         assert other.proc.wait(timeout=waiting.DEADLINE) == 1
         assert f"pid {scheduler.report['pid']}" in other.report["error"]
         assert metric(served, "hostpool_broker_leases", pool="kv") == 2
+        leases = pool_doc(served, "kv")["leases"]
+        parts = {(x["part"], x["pid"]) for x in leases}  # type: ignore[attr-defined]
+        assert parts == {("memory", worker.report["pid"]), ("index", scheduler.report["pid"])}
         assert worker.end() == 0
     finally:
         scheduler.kill()
@@ -198,6 +216,10 @@ def test_the_index_part_is_leased_apart_and_adoptions_are_counted(
                           text=True, timeout=waiting.DEADLINE)  # fmt: skip
     assert done.returncode == 0 and "reported" in done.stdout, done.stderr
     assert metric(served, "hostpool_broker_adopted_blocks_total", pool="kv") == 7
+    kv = pool_doc(served, "kv")  # the adoption is in the ledger's plain data too
+    assert kv["adopted_blocks"] == 7
+    assert kv["discarded_blocks"] == {"identity": 2, "unfinished": 1}
+    assert pool_doc(served, "meta")["adopted_blocks"] == 0
     assert metric(served, "hostpool_broker_adopted_blocks_total", pool="meta") == 0
     assert (
         metric(served, "hostpool_broker_discarded_blocks_total", pool="kv", reason="identity") == 2
@@ -294,6 +316,7 @@ def test_bad_lease_requests_get_one_clear_refusal(tmp_path: os.PathLike[str]) ->
     from hostpool import HostPoolManager
     from hostpool.broker import Broker, lease
     from hostpool.errors import ShareError
+    from hostpool.serve.debugdoc import debug_document
     from hostpool.share import protocol
 
     path = os.path.join(tmp_path, "run", "broker.sock")
@@ -331,6 +354,12 @@ def test_bad_lease_requests_get_one_clear_refusal(tmp_path: os.PathLike[str]) ->
                 with pytest.raises(ShareError, match="reasons one of"):
                     held.report(1, {"because": 1})
                 held.report(3, {"torn": 1})
+                # the broker's book is the manager's lease ledger: /debug/pools reads it
+                kv = debug_document(manager, 0.0)["pools"]["kv"]
+                (entry,) = kv["leases"]
+                assert (entry["part"], entry["pid"]) == ("index", os.getpid())
+            assert broker.book is manager.leases
             assert broker.book.counters() == ({"kv": 3}, {("kv", "torn"): 1})
+            assert kv["adopted_blocks"] == 3 and kv["discarded_blocks"] == {"torn": 1}
             waiting.wait_for(lambda: broker.book.leases() == {}, "the lease to end")
         del t

@@ -27,8 +27,8 @@ import os
 from typing import Any
 
 from hostpool.base import events
-from hostpool.broker.book import PARTS, Holder, LeaseBook, LeaseHeldError
 from hostpool.broker.index import valid_records
+from hostpool.core.leases import PARTS, Holder, LeaseHeldError
 from hostpool.core.manager import PoolManager
 from hostpool.errors import ShareError
 from hostpool.memory.shm import ShmFile, create_memfd, next_name, size_and_seal
@@ -41,11 +41,12 @@ INDEX_SUFFIX = "/index"  # peer.pools key of an index lease: no pool name has a 
 
 
 class Broker(PoolShareServer):
-    """A share server that lends its pools (module doc). `book` holds the leases."""
+    """A share server that lends its pools (module doc). `book` holds the leases: the
+    manager's lease ledger (`manager.leases`), so /debug/pools shows them."""
 
     def __init__(self, manager: PoolManager, path: str, **options: Any) -> None:
         super().__init__(manager, path, **options)
-        self.book = LeaseBook()
+        self.book = manager.leases
         self._indexes: dict[str, ShmFile] = {}  # pool -> its metadata memfd
         self._closing: set[int] = set()  # peers whose connection is ending
 

@@ -25,6 +25,7 @@ from hostpool.core.budget import (
     register_admission,
     unregister_admission,
 )
+from hostpool.core.leases import LeaseBook
 from hostpool.core.ledger import Ledger, get_ledger
 from hostpool.core.ledger_events import emit_leak
 from hostpool.core.records import AllocationRecord
@@ -88,6 +89,9 @@ class PoolManager:
         )
         self._finalizer.atexit = False
         self._closed = False
+        # Who leases which part of its pools, and what was adopted there (a broker lending
+        # this manager's pools keeps its leases here; /debug/pools shows them per pool).
+        self.leases = LeaseBook()
 
     def allocator(
         self, pool: str, allocator_type: str = "shm", **options: Any

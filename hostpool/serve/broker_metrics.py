@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from hostpool.broker.book import LeaseBook
+from hostpool.core.leases import LeaseBook
 
 
 class BrokerCollector(Collector):

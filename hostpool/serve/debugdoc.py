@@ -68,7 +68,7 @@ def _resident_by_id(manager: PoolManager, ids: set[int]) -> dict[int, int]:
 
 def pool_totals(
     totals: dict[str, dict[str, int]], regions: Iterable[dict[str, Any]]
-) -> dict[str, dict[str, int]]:
+) -> dict[str, dict[str, Any]]:
     """Per pool: the manager's totals plus `resident_bytes` of its live regions."""
     out = {pool: {**t, "resident_bytes": 0} for pool, t in totals.items()}
     for r in regions:
@@ -84,8 +84,10 @@ def pool_totals(
 def debug_document(manager: PoolManager, started_at: float) -> dict[str, Any]:
     """What /debug/pools serves for `manager` of a server started at `started_at`
     (time.time()): pid, `started_at` (ISO UTC), `uptime_seconds`, `pools` (per pool:
-    allocations, bytes, released_mapped_bytes, resident_bytes), `totals` (the same
-    summed), the budget (the same numbers as hostpool_budget_bytes{limit} and
+    allocations, bytes, released_mapped_bytes, resident_bytes; and from the lease ledger
+    `leases`: each part leased now with its holder's pid, uid and since, empty when none,
+    `adopted_blocks` and `discarded_blocks` by reason), `totals` (the figures summed),
+    the budget (the same numbers as hostpool_budget_bytes{limit} and
     hostpool_budget_reserved_bytes), and `regions` (every region's record)."""
     now = time.time()
     budget = manager.budget_view()
@@ -93,6 +95,8 @@ def debug_document(manager: PoolManager, started_at: float) -> dict[str, Any]:
     resident = _resident_by_id(manager, {r.id for r in records})
     regions = [region_document(r, resident.get(r.id, 0)) for r in records]
     pools = pool_totals(manager.totals(), regions)
+    for name, state in manager.leases.pools(list(pools)).items():
+        pools[name].update(state.to_dict())
     return {
         "pid": os.getpid(),
         "started_at": iso_utc(started_at),

@@ -1,8 +1,12 @@
-"""The broker's book of leases: who holds which part of which pool, and what was adopted.
+"""The ledger of leases: who holds which part of which pool, and what was adopted there.
 
-Pure bookkeeping under one lock, no I/O: the broker server (`hostpool.broker.server`)
-asks it before lending and tells it when a connection ends; serve's metrics read it at
-scrape time (`leases()`, `counters()`).
+The region ledger (`core.ledger`) counts regions; this is its neighbour for the pools a
+broker lends. Each `PoolManager` keeps one `LeaseBook` (`manager.leases`, next to its view
+of the region ledger) under the same rules: pure bookkeeping under one lock, no I/O and
+nothing slow under it, plain frozen records copied out under the lock. The broker server
+(`hostpool.broker.server`) asks it before lending and tells it when a connection ends and
+what an index lessee adopted; serve's metrics read it at scrape time (`leases()`,
+`counters()`) and /debug/pools reads the same state per pool (`pools()`).
 
 A pool has two parts a process may lease, each exclusively: `memory` (the pool's regions,
 writable: the engine's worker) and `index` (the pool's metadata memfd: the engine's
@@ -13,10 +17,12 @@ is refused with a `LeaseHeldError` naming the holder's pid.
 from __future__ import annotations
 
 import collections
-import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from hostpool.base.locks import ForkSafeLock
+from hostpool.base.units import iso_utc
 from hostpool.errors import ShareError
 
 PARTS = ("memory", "index")
@@ -43,12 +49,36 @@ class Holder:
     uid: int
     since: float  # time.time() at the lease
 
+    def to_dict(self) -> dict[str, Any]:
+        """The lease as plain JSON: part, pid, uid, `since` ISO-8601 UTC (no peer id: it
+        means nothing outside the broker's loop)."""
+        return {"part": self.part, "pid": self.pid, "uid": self.uid, "since": iso_utc(self.since)}
+
+
+@dataclass(frozen=True)
+class PoolLeases:
+    """One pool's lease state, copied under the book's lock: its leases now (by part,
+    memory first), blocks adopted so far and blocks discarded by reason."""
+
+    pool: str
+    held: tuple[Holder, ...] = ()
+    adopted_blocks: int = 0
+    discarded_blocks: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """`leases` (a list, empty when none is held), `adopted_blocks`, `discarded_blocks`."""
+        return {
+            "leases": [h.to_dict() for h in self.held],
+            "adopted_blocks": self.adopted_blocks,
+            "discarded_blocks": dict(sorted(self.discarded_blocks.items())),
+        }
+
 
 class LeaseBook:
     """Leases by (pool, part), and the adoption counters of each pool."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._held: dict[tuple[str, str], Holder] = {}
         self._adopted: collections.Counter[str] = collections.Counter()
         self._discarded: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -115,3 +145,17 @@ class LeaseBook:
         """(adopted blocks per pool, discarded blocks per (pool, reason)), totals so far."""
         with self._lock:
             return dict(self._adopted), dict(self._discarded)
+
+    def pools(self, names: list[str]) -> dict[str, PoolLeases]:
+        """The lease state of each pool in `names` (empty for one never leased)."""
+        with self._lock:
+            leases = list(self._held.values())
+            discarded = dict(self._discarded)
+            adopted = dict(self._adopted)
+        held = sorted(leases, key=lambda h: PARTS.index(h.part))
+        out: dict[str, PoolLeases] = {}
+        for name in names:
+            by_reason = {r: n for (p, r), n in discarded.items() if p == name}
+            mine = tuple(h for h in held if h.pool == name)
+            out[name] = PoolLeases(name, mine, adopted.get(name, 0), by_reason)
+        return out
