@@ -10,6 +10,8 @@ the kernel kept for it, /proc/self/status) and its wall time:
 - node: one `exporter --node` scrape as the exporter's reader runs it
   (`HostCollector.collect()` under its default 5 s budget), peak RSS next to the
   DaemonSet's 256 MiB memory limit (deploy/kubernetes/exporter-daemonset.yaml);
+- exporter: a real `hostpool exporter --node` (listener and sandboxed reader), one
+  /metrics scrape timed over HTTP, each process's VmHWM;
 - shm: `hostpool shm --json` as a command (its output to /dev/null).
 
 Cases: `files` (N empty files in one directory), `deep` (a chain of 1,500 directories
@@ -74,6 +76,8 @@ def child(side: str) -> dict[str, Any]:
         out["file_objects"] = sum(
             s.value for s in samples["hostpool_host_shm_objects"] if s.labels["kind"] == "file"
         )
+    elif side == "exporter":
+        out.update(real_exporter())
     elif side == "shm":
         from hostpool.cli import main
 
@@ -92,6 +96,69 @@ def child(side: str) -> dict[str, Any]:
     out["seconds"] = round(time.monotonic() - started, 3)
     out["vmhwm_mib"] = round(vmhwm_kib() / 1024, 1)
     return out
+
+
+def real_exporter() -> dict[str, Any]:
+    """A real `hostpool exporter --node` (its listener and its reader: two processes),
+    one /metrics scrape timed, each process's VmHWM, then stopped."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = str(Path(sys.executable).with_name("hostpool"))
+    env = dict(os.environ)
+    if os.environ.get("HOSTPOOL_SCALE_CODE"):
+        env["PYTHONPATH"] = os.environ["HOSTPOOL_SCALE_CODE"]
+    proc = subprocess.Popen([exe, "exporter", "--node", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+        started = time.monotonic()
+        status, text = _scrape(f"http://127.0.0.1:{port}/metrics")
+        seconds = time.monotonic() - started
+        while status != 200 and time.monotonic() - started < 120:  # its scan still runs
+            time.sleep(1)
+            status_again, text = _scrape(f"http://127.0.0.1:{port}/metrics")
+            if status_again == 200:
+                break
+        answered = time.monotonic() - started
+        lines = text.decode().splitlines()
+        readers = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+                   .read_text().split()]  # fmt: skip
+        return {
+            "scrape_s": round(seconds, 3),
+            "status": status,  # the first scrape's HTTP status (503: no scan ended in time)
+            "answered_s": round(answered, 3),  # until a scrape got the scan's figures
+            "truncated": float(next(x.split()[1] for x in lines
+                                    if x.startswith("hostpool_host_scrape_truncated "))),
+            "phase": [x.split('"')[1] for x in lines
+                      if x.startswith("hostpool_host_scrape_truncated_phase") and
+                      x.endswith(" 1.0")],
+            "listener_vmhwm_mib": round(vmhwm_kib(proc.pid) / 1024, 1),
+            # one process before the privilege split: it reads the host itself
+            "reader_vmhwm_mib": round(max(vmhwm_kib(r) for r in readers or [proc.pid]) / 1024, 1),
+        }  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def _scrape(url: str) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
 
 
 def make_files(directory: str, count: int) -> None:
@@ -200,10 +267,11 @@ def main() -> int:
     p.add_argument("--mounts", type=int, default=99_000)
     p.add_argument("--namespaces", type=int, default=1, help="mount namespaces holding the mounts")
     p.add_argument("--deep", type=int, default=DEEP_LEVELS, help="levels of the deep tree")
-    p.add_argument("--sides", default="node,shm")
+    p.add_argument("--sides", default="node,exporter,shm")
     p.add_argument("--cases", default="files,deep,mounts")
     p.add_argument("--label", default="", help="a note stored with the results (e.g. 'old code')")
     p.add_argument("--out", default=str(RESULTS), help="the results file ('-': none)")
+    p.add_argument("--merge", action="store_true", help="replace only these sides' runs")
     args = p.parse_args()
     sides = args.sides.split(",")
     counts = {"files": args.files, "deep": args.deep, "mounts": args.mounts}
@@ -221,6 +289,14 @@ def main() -> int:
         "cases": cases,
         "other_cpus": load,
     }
+    if args.merge and Path(args.out).exists():  # these sides' runs into an earlier file
+        earlier = json.loads(Path(args.out).read_text())
+        mine = {c["case"]: c for c in cases}
+        for case in earlier["cases"]:
+            new = {r["side"]: r for r in mine.get(case["case"], {}).get("runs", [])}
+            case["runs"] = [new.pop(r["side"], r) for r in case["runs"]] + list(new.values())
+        earlier.setdefault("merged", []).append({"sides": sides, "date": data["date"]})
+        data = earlier
     if args.out != "-":
         write_json(Path(args.out), data)
     return 0

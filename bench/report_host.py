@@ -70,6 +70,21 @@ def render_host_scan(data: dict[str, Any], ctx: object) -> str:
     return "\n".join(lines)
 
 
+def _exporter_run(run: dict[str, Any]) -> dict[str, Any]:
+    """A real exporter's run as a row shows it: its scrape's wall time (a 503 and when
+    the figures came, where the first scrape got no scan), the reader's peak."""
+    if "error" in run:
+        return {**run, "wall": "failed", "vmhwm_mib": float("nan")}
+    wall = f"{run['scrape_s']:.1f} s"
+    if run.get("status", 200) != 200:
+        wall = f"HTTP {run['status']} at {wall} (figures at {run['answered_s']:.0f} s)"
+    return {**run, "wall": wall, "seconds": run["scrape_s"], "vmhwm_mib": run["reader_vmhwm_mib"]}
+
+
+def _wall(run: dict[str, Any]) -> str:
+    return str(run["wall"]) if "wall" in run else f"{run['seconds']:.1f} s"
+
+
 def render_host_scale(data: dict[str, Any], ctx: object) -> str:
     """bench/host_scale.py: each case's node scrape and `shm --json`, wall time and peak
     RSS, beside the same cases run on the code before the bounds (host_scale_old.json)."""
@@ -90,26 +105,33 @@ def render_host_scale(data: dict[str, Any], ctx: object) -> str:
         }[case["case"]]
         for run in case["runs"]:
             side = run["side"]
+            if side == "exporter":  # the HTTP scrape's time, the reader's peak (it scans)
+                run = _exporter_run(run)
             truncated = "yes" if run.get("truncated") else "no"
             if run.get("phase"):
                 truncated += f" ({', '.join(run['phase'])})"
             was = before.get((case["case"], side))
+            if was is not None and side == "exporter":
+                was = _exporter_run(was)
             then = (
-                f"{was['seconds']:.1f} s, {was['vmhwm_mib']:,.0f} MiB, "
+                f"{_wall(was)}, {was['vmhwm_mib']:,.0f} MiB, "
                 f"{'yes' if was.get('truncated') else 'no'}"
                 if was
                 else "-"
             )
-            truncated = truncated if side == "node" else "-"
-            then = then if side == "node" or not was else then.rpartition(",")[0]
+            truncated = truncated if side != "shm" else "-"
+            then = then if side != "shm" or not was else then.rpartition(",")[0]
             lines.append(
-                f"| {what} | {side} | {run['seconds']:.1f} s | {run['vmhwm_mib']:,.0f} MiB "
+                f"| {what} | {side} | {_wall(run)} "
+                f"| {run['vmhwm_mib']:,.0f} MiB "
                 f"| {truncated} | {then} |"
             )
     lines += [
         "",
         f"node: one `exporter --node` scrape (the reader's `HostCollector.collect()`, 5 s "
-        f"budget; the DaemonSet's limit is {limits['node']} MiB); shm: `hostpool shm "
+        f"budget; the DaemonSet's limit is {limits['node']} MiB); exporter: a real "
+        "`hostpool exporter --node`, one /metrics scrape over HTTP, the peak RSS of the "
+        "process that scans (its reader); shm: `hostpool shm "
         f"--json` (no budget; at most {limits['shm']} MiB). Each side a fresh process in "
         "a private mount namespace holding the case. "
         f"{machine_line(data, sglang=False)}; `bench/results/host_scale.json` and "

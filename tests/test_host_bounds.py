@@ -218,6 +218,7 @@ _SCAN_IN_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no FUSE device here")
 def test_a_stalled_fuse_mount_costs_one_incomplete_scan_and_no_hang(tmp_path: Path) -> None:
     """The trial's case: a FUSE mount that stops answering with a tmpfs inside it. The
     scan (in a child: a hang is killed at 30 s) ends within its budget, incomplete, and
