@@ -165,7 +165,7 @@ def test_bind_mounts_are_folded_as_they_are_read(tmp_path: Path) -> None:
 
 
 _FUSE_NAMESPACE = textwrap.dedent("""
-    import ctypes, os, sys
+    import ctypes, mmap, os, sys, time
     libc = ctypes.CDLL(None, use_errno=True)
     top = sys.argv[1]
     def mount(source, target, fstype, data):
@@ -175,11 +175,15 @@ _FUSE_NAMESPACE = textwrap.dedent("""
     os.mkdir(f"{top}/x")
     mount("hostpool-test", f"{top}/x", "tmpfs", "size=1m")
     open(f"{top}/x/hostpool-under-fuse", "w").close()
+    # and one held (an fd and a mapping) by this process: the scan knows its path
+    held = os.open(f"{top}/x/hostpool-held-under-fuse", os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(held, 4096)
+    mapping = mmap.mmap(held, 4096)
     # a FUSE mount whose server never answers (not even INIT), over the tmpfs's parent
     fd = sys.argv[2]
     mount("hostpool-stall", top, "fuse", f"fd={fd},rootmode=40000,user_id=0,group_id=0")
     print("ready", flush=True)
-    os.execvp("sleep", ["sleep", "600"])
+    time.sleep(600)
 """)
 
 
@@ -214,16 +218,19 @@ _SCAN_IN_CHILD = textwrap.dedent("""
     started = time.monotonic()
     view = scan_host(deadline=time.monotonic() + 5)
     print(json.dumps({"seconds": time.monotonic() - started, "complete": view.complete,
-                      "names": [o.name for o in view.objects if o.kind == "file"]}))
+                      "names": [o.name for o in view.objects if o.kind == "file"],
+                      "held": [o.path for o in view.objects
+                               if o.name.endswith("hostpool-held-under-fuse")]}))
 """)
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="no FUSE device here")
 def test_a_stalled_fuse_mount_costs_one_incomplete_scan_and_no_hang(tmp_path: Path) -> None:
-    """The trial's case: a FUSE mount that stops answering with a tmpfs inside it. The
-    scan (in a child: a hang is killed at 30 s) ends within its budget, incomplete, and
-    never lists the file it cannot reach; the old code's stat of the tmpfs's path hung
-    in the FUSE lookup."""
+    """The trial's case: a FUSE mount that stops answering with a tmpfs inside it, one of
+    whose files a process holds. The scan (in a child: a hang is killed at 30 s) ends
+    within its budget, incomplete; it never lists the unheld file it cannot reach, and
+    lists the held one from its holder without looking its name up; the old code's stat
+    of the tmpfs's path hung in the FUSE lookup."""
     with stalled_fuse(str(tmp_path)):
         proc = subprocess.run([sys.executable, "-c", _SCAN_IN_CHILD], capture_output=True,
                               text=True, timeout=30, cwd=ROOT, check=False)  # fmt: skip
@@ -232,6 +239,7 @@ def test_a_stalled_fuse_mount_costs_one_incomplete_scan_and_no_hang(tmp_path: Pa
     assert got["seconds"] < 6
     assert not got["complete"]
     assert "hostpool-under-fuse" not in got["names"]
+    assert got["held"] == [None]  # found through its holder, never looked up by its path
 
 
 def _scale(case: str, count: int, namespaces: int) -> dict[str, Any]:

@@ -320,7 +320,9 @@ def _files(scan: _Scan, now: float, out: ObjectSink, pods: Pods) -> None:
         if seen.identity is None or seen.found or not isinstance(okey, tuple):
             continue
         dev = seen.identity[0]
-        if okey[0] == "sysv" or dev not in scan.blocks.fstypes or not _regular(seen):
+        if okey[0] == "sysv" or dev not in scan.blocks.fstypes:
+            continue
+        if not _regular(seen, named=dev not in scan.blocks.avoided):
             continue
         name = seen.info[1].rpartition("/")[2]
         links = None if seen.st is None else seen.st.st_nlink
@@ -329,13 +331,14 @@ def _files(scan: _Scan, now: float, out: ObjectSink, pods: Pods) -> None:
                                            area=scan.blocks.area(dev), links=links)))  # fmt: skip
 
 
-def _regular(seen: Seen) -> bool:
+def _regular(seen: Seen, *, named: bool) -> bool:
     """Whether a held object on a tmpfs mount that the walk did not meet is a regular
     file. An fd alone makes a row only for one; a mapping may be of a device node
     (`/dev/zero` mapped private, a GPU's node in a container's /dev): its VMA's stat
-    says, else its name's if that still leads to it, else (unlinked) it is a file."""
+    says, else its name's if that still leads to it (`named`: not on a superblock whose
+    every way passes a mount that may stall, `Superblocks.avoided`), else it is a file."""
     st = seen.st
-    if st is None and seen.via is not None and seen.identity is not None:
+    if st is None and named and seen.via is not None and seen.identity is not None:
         st = named_inode(seen.via[0], seen.info[1], seen.identity)
     return st is None or stat.S_ISREG(st.st_mode)
 
