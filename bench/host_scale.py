@@ -8,8 +8,9 @@ in a fresh Python process in that namespace and reports its own `VmHWM` (the pea
 the kernel kept for it, /proc/self/status) and its wall time:
 
 - node: one `exporter --node` scrape as the exporter's reader runs it
-  (`HostCollector.collect()` under its default 5 s budget), peak RSS next to the
-  DaemonSet's 256 MiB memory limit (deploy/kubernetes/exporter-daemonset.yaml);
+  (`HostCollector.collect()` under its default 5 s budget, or HOSTPOOL_SCALE_BUDGET's),
+  peak RSS next to the DaemonSet's 256 MiB memory limit
+  (deploy/kubernetes/exporter-daemonset.yaml);
 - exporter: a real `hostpool exporter --node` (listener and sandboxed reader), one
   /metrics scrape timed over HTTP, each process's VmHWM;
 - shm: `hostpool shm --json` as a command (its output to /dev/null).
@@ -65,7 +66,8 @@ def child(side: str) -> dict[str, Any]:
     if side == "node":
         from hostpool.metrics.host import HostCollector
 
-        families = {f.name: f for f in HostCollector().collect()}
+        budget = float(os.environ.get("HOSTPOOL_SCALE_BUDGET", "5"))  # the exporter's default
+        families = {f.name: f for f in HostCollector(scrape_budget=budget).collect()}
         samples = {f.name: f.samples for f in families.values()}
         out["truncated"] = samples["hostpool_host_scrape_truncated"][0].value
         out["phase"] = [

@@ -242,12 +242,13 @@ def test_a_stalled_fuse_mount_costs_one_incomplete_scan_and_no_hang(tmp_path: Pa
     assert got["held"] == [None]  # found through its holder, never looked up by its path
 
 
-def _scale(case: str, count: int, namespaces: int) -> dict[str, Any]:
+def _scale(case: str, count: int, namespaces: int, budget: float = 5.0) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "host_scale.py"), "--cases", case,
          f"--{case}", str(count), "--namespaces", str(namespaces), "--sides", "node",
          "--out", "-"],
         capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
+        env={**os.environ, "HOSTPOOL_SCALE_BUDGET": str(budget)},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -278,3 +279,15 @@ def test_a_node_scrape_keeps_its_memory_whatever_the_node_holds(
     run = _scale(case, count, namespaces)
     assert run["vmhwm_mib"] < NODE_PEAK_MIB, run
     assert run["seconds"] < 6, run
+
+
+def test_a_node_scrape_past_its_budget_ends_within_a_second_of_it() -> None:
+    """100,000 files and a budget of 0.2 s: the scrape is truncated (in whichever phase
+    this host's processes leave it) and ends within the budget + 1 s; the code before the
+    bounds walked every file whatever the budget and said truncated 0 (the trial's 1M
+    files: 9.3 s against a 5 s budget)."""
+    run = _scale("files", 100_000, 1, budget=0.2)
+    assert run["truncated"] == 1, run
+    assert len(run["phase"]) == 1, run
+    assert run["seconds"] < 1.2, run
+    assert run["file_objects"] < 100_000, run
