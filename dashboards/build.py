@@ -896,14 +896,20 @@ HOST_SHM = RowSpec(
             "Truncated: 1 while the host view's reading reaches the exporter's "
             "--scrape-budget before reading everything (the panels of this row are then "
             "partial, unattributed bytes too high): raise --scrape-budget, below "
-            "Prometheus' scrape_timeout. Unreadable: processes the exporter may not read; "
-            "what only they hold shows as orphaned or unattributed: give it CAP_SYS_PTRACE "
-            "and the host's PID namespace.",
+            "Prometheus' scrape_timeout; 'ran out in' names the phase of the reading where "
+            "the budget ran out (mountinfo, processes, tmpfs, sysv). Unreadable: processes "
+            "the exporter may not read; what only they hold shows as orphaned or "
+            "unattributed: give it CAP_SYS_PTRACE and the host's PID namespace.",
             "short",
             (
                 q(
                     f"max by (instance) (hostpool_host_scrape_truncated{{{TARGET}}})",
                     "{{instance}} truncated",
+                ),
+                q(
+                    "max by (instance, phase) "
+                    f"(hostpool_host_scrape_truncated_phase{{{TARGET}}}) == 1",
+                    "{{instance}} ran out in {{phase}}",
                 ),
                 q(
                     f"max by (instance) (hostpool_host_unreadable_processes{{{TARGET}}})",
