@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -119,7 +120,7 @@ def test_a_lease_is_exclusive_and_outlives_its_lessee(broker: tuple[Served, str]
         assert first.report["firsts"] == [1, 2, 3, 4]
         assert metric(served, "hostpool_broker_leases", pool="kv") == 1
         # the lease is in the ledger's plain data: /debug/pools names its lessee
-        (held,) = pool_doc(served, "kv")["leases"]  # type: ignore[misc]
+        (held,) = pool_doc(served, "kv")["leases"]
         assert held["part"] == "memory" and held["pid"] == first.report["pid"], held
         assert held["uid"] == os.getuid() and held["since"].endswith("Z"), held
         assert pool_doc(served, "meta")["leases"] == []
@@ -159,11 +160,11 @@ def test_a_lease_is_exclusive_and_outlives_its_lessee(broker: tuple[Served, str]
     assert served.stop() == 0
 
 
-def pool_doc(served: Served, pool: str) -> dict[str, object]:
+def pool_doc(served: Served, pool: str) -> dict[str, Any]:
     """The pool's entry in serve's /debug/pools (its lease ledger's state included)."""
     status, body = served.get("/debug/pools")
     assert status == 200, body
-    entry: dict[str, object] = json.loads(body)["pools"][pool]
+    entry: dict[str, Any] = json.loads(body)["pools"][pool]
     return entry
 
 
@@ -193,7 +194,7 @@ def test_the_index_part_is_leased_apart_and_adoptions_are_counted(
         assert f"pid {scheduler.report['pid']}" in other.report["error"]
         assert metric(served, "hostpool_broker_leases", pool="kv") == 2
         leases = pool_doc(served, "kv")["leases"]
-        parts = {(x["part"], x["pid"]) for x in leases}  # type: ignore[attr-defined]
+        parts = {(x["part"], x["pid"]) for x in leases}
         assert parts == {("memory", worker.report["pid"]), ("index", scheduler.report["pid"])}
         assert worker.end() == 0
     finally:

