@@ -364,3 +364,21 @@ def test_bad_lease_requests_get_one_clear_refusal(tmp_path: os.PathLike[str]) ->
             assert kv["adopted_blocks"] == 3 and kv["discarded_blocks"] == {"torn": 1}
             waiting.wait_for(lambda: broker.book.leases() == {}, "the lease to end")
         del t
+
+
+def test_a_forked_child_starts_with_an_empty_lease_ledger() -> None:
+    """As the region ledger: the leases are the parent's connections, not the child's."""
+    from hostpool.core.leases import LeaseBook
+
+    book = LeaseBook()
+    book.take("kv", "memory", peer=1, pid=4242, uid=0)
+    book.count("kv", 5, {"torn": 1})
+
+    def child() -> str:
+        return repr(book.pools(["kv"])["kv"].to_dict())
+
+    code, out = helpers.run_forked(child)
+    assert code == 0, out
+    assert out == repr({"leases": [], "adopted_blocks": 0, "discarded_blocks": {}})
+    parent = book.pools(["kv"])["kv"]  # the parent's book is untouched
+    assert [h.pid for h in parent.held] == [4242] and parent.adopted_blocks == 5

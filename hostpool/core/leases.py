@@ -3,7 +3,8 @@
 The region ledger (`core.ledger`) counts regions; this is its neighbour for the pools a
 broker lends. Each `PoolManager` keeps one `LeaseBook` (`manager.leases`, next to its view
 of the region ledger) under the same rules: pure bookkeeping under one lock, no I/O and
-nothing slow under it, plain frozen records copied out under the lock. The broker server
+nothing slow under it, plain frozen records copied out under the lock, and a forked
+child starts with an empty book (the leases are its parent's connections). The broker server
 (`hostpool.broker.server`) asks it before lending and tells it when a connection ends and
 what an index lessee adopted; serve's metrics read it at scrape time (`leases()`,
 `counters()`) and /debug/pools reads the same state per pool (`pools()`).
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 import collections
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from hostpool.base import fork
 from hostpool.base.locks import ForkSafeLock
 from hostpool.base.units import iso_utc
 from hostpool.errors import ShareError
@@ -79,6 +82,11 @@ class LeaseBook:
 
     def __init__(self) -> None:
         self._lock = ForkSafeLock()
+        self._start_empty()
+        _books.add(self)
+
+    def _start_empty(self) -> None:
+        """No lease, every counter at zero: a new book, and a forked child's."""
         self._held: dict[tuple[str, str], Holder] = {}
         self._adopted: collections.Counter[str] = collections.Counter()
         self._discarded: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -159,3 +167,15 @@ class LeaseBook:
             mine = tuple(h for h in held if h.pool == name)
             out[name] = PoolLeases(name, mine, adopted.get(name, 0), by_reason)
         return out
+
+
+# Every book of this process, so that a forked child empties them (as its region ledger).
+_books: weakref.WeakSet[LeaseBook] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for book in list(_books):
+        book._start_empty()  # its lock, a ForkSafeLock, is a fresh one already
+
+
+fork.on_fork(__name__, after_in_child=_after_fork_in_child)
