@@ -704,7 +704,25 @@ EXPORTER = RowSpec(
                     "{{instance}}",
                 ),
             ),
-            width=24,
+            width=12,
+            needs="exporter",
+        ),
+        PanelSpec(
+            "Exporter scans",
+            "Scans per second `hostpool exporter` ran (`hostpool_exporter_scans_total`; --pid, "
+            "--match and --node alike): one scan "
+            "answers every scrape for --min-scan-interval (1 s by default), so a flood of "
+            "/metrics requests does not raise it above 1/interval; more scrapers or a "
+            "shorter scrape interval than expected show here.",
+            "ops",
+            (
+                q(
+                    "sum by (instance) "
+                    f"(rate(hostpool_exporter_scans_total{{{TARGET}}}[$__rate_interval]))",
+                    "{{instance}}",
+                ),
+            ),
+            width=12,
             needs="exporter",
         ),
     ),
