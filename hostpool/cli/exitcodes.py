@@ -44,8 +44,9 @@ EPILOGS = {
     "doctor": (
         "exit status: 0 ok (a check passed); 1 the input is right but a check failed (--need "
         "or --hugepages required on this host; with --kubernetes, a --pod spec short of what "
-        "the engine needs, or this node or pod with --check-host); 2 the input is wrong (a bad flag, a size without a unit, a command line or "
-        "config it cannot size, --container missing or naming no container of --pod)"
+        "the engine needs, or this node or pod with --check-host); 2 the input is wrong (a "
+        "bad flag, a size without a unit, a command line or config it cannot size, "
+        "--container missing or naming no container of --pod)"
     ),
     "shm": (
         "exit status: 0 ok; 1 the input is right but this host cannot do it now (the scan "
