@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Self
 
 from hostpool.base import events
 from hostpool.core.ledger import Ledger, get_ledger
@@ -66,7 +66,7 @@ class PoolShareServer:
         self._loop: ShareLoop | None = None
 
     # -- lifecycle -------------------------------------------------------------------
-    def start(self) -> PoolShareServer:
+    def start(self) -> Self:
         """Listen; raises ShareSocketInUseError when a server answers at the path already,
         ConfigError for a path or directory that is not safe to use."""
         listener = self._where.listen(BACKLOG)
@@ -97,7 +97,7 @@ class PoolShareServer:
             peers.remove_source(self.ledger, self.attached_counts)
         self._where.release()
 
-    def __enter__(self) -> PoolShareServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
