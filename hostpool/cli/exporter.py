@@ -315,16 +315,21 @@ def _max_pools(text: str) -> int:
     return _int_in(text, "--max-pools", 2, 10_000)
 
 
-def _interval(text: str) -> float:
+def _seconds_in(text: str, what: str, low: float, high: float) -> float:
+    """A number of seconds in [low, high] (nan and inf refused), else one usage error."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--min-scan-interval must be a number of seconds, got {text!r}"
+            f"{what} must be a number of seconds, got {text!r}"
         ) from None
-    if not 0 <= value <= 3600:  # also refuses nan and inf
-        raise argparse.ArgumentTypeError(f"--min-scan-interval must be 0..3600 seconds, got {text}")
+    if not low <= value <= high:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"{what} must be {low:g}..{high:g} seconds, got {text}")
     return value
+
+
+def _interval(text: str) -> float:
+    return _seconds_in(text, "--min-scan-interval", 0, 3600)
 
 
 def _user(text: str) -> tuple[int, int]:
@@ -340,15 +345,7 @@ def _user(text: str) -> tuple[int, int]:
 
 
 def _budget(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--scrape-budget must be a number of seconds, got {text!r}"
-        ) from None
-    if not 0.001 <= value <= 300:  # also refuses nan and inf
-        raise argparse.ArgumentTypeError(f"--scrape-budget must be 0.001..300 seconds, got {text}")
-    return value
+    return _seconds_in(text, "--scrape-budget", 0.001, 300)
 
 
 COMMAND = Subcommand(
