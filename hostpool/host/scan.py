@@ -10,7 +10,10 @@ in our IPC namespace). The device decides before the name: a segment or huge ano
 memory lies on the kernel's own shm or hugetlbfs mount (a tmpfs file named `/SYSV...` is
 a file); on tmpfs only regular files are objects. A file is an orphan only unheld and in
 `ORPHAN_AREAS`. Age: the newest of mtime and ctime. Processes gone meanwhile are
-skipped; those we may not read are counted (`HostView.unreadable`).
+skipped; those we may not read are counted (`HostView.unreadable`). One time budget
+bounds every phase (`host/bounds`), no lookup passes a mount that may stall, and a
+scan's memory grows with what processes hold, not with the files it walks
+(`scan_host(sink=)`, `host/sink`).
 """
 
 from __future__ import annotations
