@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import REPO_ROOT, RESULTS_DIR, format_size, load_verdict, read_json
+from bench.report_broker import BROKER
 from bench.report_host import HOST
 from bench.report_serve import SERVE, SOURCES
 from bench.report_tables import TABLES, machine_line
@@ -608,6 +609,7 @@ def render_exporter_scale(data: dict[str, Any], ctx: Context) -> str:
 
 RENDERERS.update(TABLES)
 RENDERERS.update(SERVE)
+RENDERERS.update(BROKER)
 RENDERERS.update(HOST)
 
 

@@ -14,10 +14,9 @@ import torch
 
 from hostpool.core.ledger import get_ledger
 from hostpool.errors import ShareError
-from hostpool.integrations import sglang as integration
 from hostpool.integrations.sglang.standins import BROKER_VARIABLE
 from tests.sglang import pools
-from tests.sglang.cpu_import import load_sglang
+from tests.sglang.cpu_import import integration_installed
 from tests.test_serve import Served, start_serve
 
 LABEL = "sgkv"
@@ -25,12 +24,8 @@ LABEL = "sgkv"
 
 @pytest.fixture(scope="module")
 def sglang() -> Iterator[None]:
-    was = integration.installed()
-    load_sglang()
-    integration.install()
-    yield
-    if not was:
-        integration.uninstall()
+    with integration_installed():
+        yield
 
 
 @pytest.fixture
