@@ -36,6 +36,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from hostpool.broker.client import Lease, lease
 from hostpool.broker.index import KVIndex, index_bytes
+from hostpool.broker.modelfiles import weights_digest
 from hostpool.errors import HostPoolError
 
 logger = init_logger(f"vllm.{__name__}")
@@ -73,6 +74,8 @@ def identity(config: OffloadingConfig, spec: Any) -> dict[str, Any]:
         "engine_version": vllm.__version__,
         "model": config.model.name,
         "model_config_digest": model_digest(config.model.name),
+        # the weights' files as their content is known (None for a hub id: by name only)
+        "weights_digest": weights_digest(config.model.name),
         "kv_cache_dtype": config.model.dtype,
         "tokens_per_block": list(spec.tokens_per_block),
         "tokens_per_hash": config.cache.tokens_per_hash,
@@ -121,6 +124,16 @@ class BrokerIndexManager(CPUOffloadingManager):  # type: ignore[misc]  # untyped
             return
         size = index_bytes(self._chunks)
         try:
+            mine = identity(self._config, self._spec)
+        except OSError as exc:  # a weight file it cannot read: no identity, nothing adopted
+            logger.warning(
+                "hostpool: no broker index for pool %s (the model's files: %s): this "
+                "engine's host cache will not be adopted by the next one",
+                self.pool,
+                exc,
+            )
+            return
+        try:
             self.lease = lease(self.broker, self.pool, memory=False, index_bytes=size)
         except HostPoolError as exc:  # serve on without an index: nothing kept, nothing wrong
             logger.warning(
@@ -131,7 +144,6 @@ class BrokerIndexManager(CPUOffloadingManager):  # type: ignore[misc]  # untyped
             )
             return
         assert self.lease.index is not None
-        mine = identity(self._config, self._spec)
         index, adoption = KVIndex.open(self.lease.index, self._chunks, mine)
         self.index = index
         adopted = self._adopt(adoption.records) if adoption.records else 0
