@@ -1,17 +1,17 @@
 """Reaping: free the orphans it is safe to free (`hostpool reap`, `hostpool run --reap`).
 
-`plan` picks, from one scan (`HostView`), the orphaned regular files on tmpfs (and, only
-when asked, the unattached SysV segments) of the selected engines, unchanged (newest of
-mtime and ctime) for at least `min_age`. Its reach is what was asked: files of an
-`ORPHAN_AREAS` area only (never a kubelet volume's or a `system` tmpfs's, nor a file
-whose area is unknown), of this mount namespace unless `all_namespaces` (a file reached
-through `/proc/PID/root` of another mount namespace is another container's), or only
-those in `dirs` when given. `reap` then removes each only if it is still what the plan
-saw and the kernel proves nobody holds it:
+`plan` picks, from one scan (`HostView`), the orphaned regular files on tmpfs and
+hugetlbfs (and, only when asked, the unattached SysV segments) of the selected engines,
+unchanged (newest of mtime and ctime) for at least `min_age`. Its reach is what was
+asked: files of an `ORPHAN_AREAS` area only (never a kubelet volume's or a `system`
+tmpfs's, nor a file whose area is unknown), of this mount namespace unless
+`all_namespaces` (a file reached through `/proc/PID/root` of another mount namespace is
+another container's), or only those in `dirs` when given. `reap` then removes each only
+if it is still what the plan saw and the kernel proves nobody holds it:
 
 - a file's directory is opened by `safedir` (component by component with `O_NOFOLLOW`;
   `/proc/PID/root`, the way into another mount namespace, is the one link followed) and
-  must be on tmpfs; the name, stat-ed relative to that fd without following it, must be
+  must be on tmpfs or hugetlbfs; the name, stat-ed relative to that fd without following it, must be
   a regular file with the planned `(st_dev, st_ino)`, unchanged for `min_age`;
 - the holders /proc shows are read again (`scan.holders_of`): one there keeps it
   (`kept_held`); then `lease.unlink_unheld` opens the file, re-checks it, takes a write
@@ -41,11 +41,12 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from hostpool.base import events
-from hostpool.base.fsmagic import TMPFS_MAGIC, fs_magic
+from hostpool.base.fsmagic import fs_magic
 from hostpool.errors import InvalidRequestError
 from hostpool.host import lease, scan
 from hostpool.host.model import ENGINES, ORPHAN_AREAS, Engine, Holder, HostObject, HostView
-from hostpool.host.safedir import PROC_ROOT, TmpfsDirs
+from hostpool.host.mounts import TmpfsMount, mount_namespaces, pids, superblocks
+from hostpool.host.safedir import PROC_ROOT, SHM_FILESYSTEMS, ShmDirs
 
 Outcome = Literal["removed", "unlinked", "kept_held", "kept_changed", "kept_unprovable", "failed"]
 OUTCOMES: tuple[Outcome, ...] = (
@@ -64,8 +65,8 @@ KNOWN_ENGINES: tuple[Engine, ...] = tuple(e for e in ENGINES if e != "unknown")
 
 @dataclass(frozen=True, slots=True)
 class ReapDir:
-    """A directory reaping is limited to (`--dir`): on tmpfs, checked by `reap_dir`.
-    `whole`: it is the root of a tmpfs mount, so every file of that filesystem (`st_dev`)
+    """A directory reaping is limited to (`--dir`): on tmpfs or hugetlbfs, checked by
+    `reap_dir`. `whole`: it is the root of such a mount, so every file of that filesystem (`st_dev`)
     is in it, whichever path the scan found it by; otherwise files under `path`."""
 
     path: str
@@ -129,7 +130,8 @@ class Result:
 
 
 def reap_dir(path: str) -> ReapDir:
-    """`path` as a `--dir`: InvalidRequestError unless it is a directory on tmpfs."""
+    """`path` as a `--dir`: InvalidRequestError unless it is a directory on tmpfs or
+    hugetlbfs."""
     try:
         fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
@@ -141,13 +143,19 @@ def reap_dir(path: str) -> ReapDir:
         raise InvalidRequestError(f"--dir {path}: {exc.strerror}") from exc
     finally:
         os.close(fd)
-    if magic != TMPFS_MAGIC:
+    if magic not in SHM_FILESYSTEMS:
         raise InvalidRequestError(
-            f"--dir {path} is not on tmpfs (filesystem magic {magic:#x}): only shared "
-            "memory is reaped"
+            f"--dir {path} is not on tmpfs or hugetlbfs (filesystem magic {magic:#x}): only "
+            "shared memory is reaped"
         )
-    whole = any(m.st_dev == st.st_dev and _same_inode(m.root, st) for m in scan.tmpfs_dirs())
+    whole = any(m.st_dev == st.st_dev and _same_inode(m.root, st) for m in shm_mounts())
     return ReapDir(os.path.normpath(path), st.st_dev, whole)
+
+
+def shm_mounts() -> list[TmpfsMount]:
+    """One reachable mount per tmpfs or hugetlbfs superblock, of every mount namespace
+    /proc shows (ours first)."""
+    return superblocks(mount_namespaces(pids())).mounts
 
 
 def _same_inode(path: str, st: os.stat_result) -> bool:
@@ -159,13 +167,9 @@ def _same_inode(path: str, st: os.stat_result) -> bool:
 
 
 def local_dirs() -> tuple[ReapDir, ...]:
-    """Every tmpfs mount of this process's own mount namespace (for `run --reap`: the
-    engine's container, where nothing of the engine runs at that moment)."""
-    return tuple(
-        ReapDir(m.root, m.st_dev, whole=True)
-        for m in scan.tmpfs_dirs()
-        if m.pid is None and not m.hugetlb
-    )
+    """Every tmpfs and hugetlbfs mount of this process's own mount namespace (for `run
+    --reap`: the engine's container, where nothing of the engine runs at that moment)."""
+    return tuple(ReapDir(m.root, m.st_dev, whole=True) for m in shm_mounts() if m.pid is None)
 
 
 def plan(view: HostView, selection: Selection | None = None) -> Plan:
@@ -191,8 +195,8 @@ def plan(view: HostView, selection: Selection | None = None) -> Plan:
 def _left_alone(obj: HostObject, sel: Selection, foreign: _Namespaces) -> str | None:
     if obj.kind == "sysv" and not sel.sysv:
         return "SysV segment (reaped only with --sysv)"
-    if obj.hugetlb:
-        return "hugetlb, not tmpfs"
+    if obj.hugetlb and obj.kind != "file":
+        return "hugetlb, not a file"  # a SysV segment of hugepages: never leased here
     if obj.kind == "file" and sel.dirs is not None:
         if not any(d.holds(obj) for d in sel.dirs):
             return "outside --dir"
@@ -254,7 +258,7 @@ def reap(
             raise InvalidRequestError(f"{obj.name!r} is in area {obj.area}: never reaped")
     done: dict[int, Result] = {}
     files = [(i, o) for i, o in enumerate(candidates) if o.kind == "file"]
-    with TmpfsDirs() as dirs:
+    with ShmDirs() as dirs:
         staged = _stage(files, dirs, min_age, done)
         wanted = [before[0] for _, _, _, before in staged]
         held = scan.holders_of(wanted) if wanted else {}
@@ -273,7 +277,7 @@ def reap(
 
 def _stage(
     files: Iterable[tuple[int, HostObject]],
-    dirs: TmpfsDirs,
+    dirs: ShmDirs,
     min_age: float,
     done: dict[int, Result],
 ) -> list[tuple[int, HostObject, int, lease.Seen]]:

@@ -11,20 +11,20 @@ import os
 import re
 from typing import Final
 
-from hostpool.base.fsmagic import TMPFS_MAGIC, fs_magic
+from hostpool.base.fsmagic import HUGETLBFS_MAGIC, TMPFS_MAGIC, fs_magic
 
 _DIR_FLAGS: Final = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # /proc/PID/root: the magic link into another mount namespace, followed on purpose
 PROC_ROOT = re.compile(r"/proc/(\d+)/root(?=/|$)")
 
 
-class TmpfsDirs:
+class ShmDirs:
     """Directory fds by path, walked safely once each, closed on exit."""
 
     def __init__(self) -> None:
         self.fds: dict[str, int | OSError] = {}
 
-    def __enter__(self) -> TmpfsDirs:
+    def __enter__(self) -> ShmDirs:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -33,10 +33,11 @@ class TmpfsDirs:
                 os.close(fd)
 
     def get(self, directory: str) -> int:
-        """An O_PATH fd of `directory`, checked to be on tmpfs; OSError (cached) if not."""
+        """An O_PATH fd of `directory`, checked to be on tmpfs or hugetlbfs; OSError
+        (cached) if not."""
         if directory not in self.fds:
             try:
-                self.fds[directory] = open_tmpfs_dir(directory)
+                self.fds[directory] = open_shm_dir(directory)
             except OSError as exc:
                 self.fds[directory] = exc
         fd = self.fds[directory]
@@ -69,16 +70,22 @@ def open_dir(path: str) -> int:
     return fd
 
 
-def open_tmpfs_dir(directory: str) -> int:
-    """`open_dir`, and EXDEV unless the directory it opened is on tmpfs (fstatfs of the
-    fd: the directory in hand, not whatever the path names by now)."""
+# the filesystems whose files are shared memory: the only ones reaped
+SHM_FILESYSTEMS: Final = {TMPFS_MAGIC: "tmpfs", HUGETLBFS_MAGIC: "hugetlbfs"}
+
+
+def open_shm_dir(directory: str) -> int:
+    """`open_dir`, and EXDEV unless the directory it opened is on tmpfs or hugetlbfs
+    (fstatfs of the fd: the directory in hand, not whatever the path names by now)."""
     fd = open_dir(directory)
     try:
         magic = fs_magic(fd)
     except BaseException:
         os.close(fd)
         raise
-    if magic != TMPFS_MAGIC:
+    if magic not in SHM_FILESYSTEMS:
         os.close(fd)
-        raise OSError(errno.EXDEV, f"not on tmpfs (filesystem magic {magic:#x})", directory)
+        raise OSError(
+            errno.EXDEV, f"not on tmpfs or hugetlbfs (filesystem magic {magic:#x})", directory
+        )
     return fd
