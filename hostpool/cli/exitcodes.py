@@ -57,7 +57,7 @@ EPILOGS = {
         "not a failure); 1 the input is right but this host cannot do it now (a candidate "
         "could not be removed, or the kernel could not prove it unheld: kept_unprovable); "
         "2 the input is wrong (a bad duration, an unknown engine, a --dir that is not a "
-        "directory on tmpfs)"
+        "directory on tmpfs or hugetlbfs)"
     ),
 }
 

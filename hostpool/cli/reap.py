@@ -1,14 +1,14 @@
 """`hostpool reap`: remove orphaned shared memory that no process holds (a dry run
 unless --yes).
 
-Orphans are regular files on tmpfs in a /dev/shm or a Memory emptyDir (never a kubelet
-secret or projected volume, nor /run or another system tmpfs) that no process holds by
+Orphans are regular files in a /dev/shm, a Memory emptyDir or on hugetlbfs (never a
+kubelet secret or projected volume, nor /run or another system tmpfs) that no process holds by
 an fd or a mapping, and with --sysv SysV segments with no attachment. By default only
 this mount namespace's files (`--all-namespaces`: every namespace /proc shows, a
 container's /dev/shm through /proc/PID/root; `--dir`: only the directories named), of
 the known engines (the engine table of `hostpool shm`; `--engine unknown` widens it to
 any name), unchanged (mtime and ctime) for 10 minutes. Each file is re-checked right
-before its unlink: still the same inode, a regular file, on tmpfs, reached without
+before its unlink: still the same inode, a regular file, on tmpfs or hugetlbfs, reached without
 following a symlink, held by no process /proc shows, and the kernel grants a write lease
 on it (refused while any process of any PID namespace has it open or mapped); the name
 is unlinked while the lease is held. memfds are never touched: they die with their
@@ -22,7 +22,7 @@ Exit codes: 0 done or nothing to do (a file kept because a process holds it now,
 changed, is not a failure; nor is one whose other hard link keeps it); 1 a candidate
 could not be removed, or could not be proven unheld (the kernel refused to answer:
 `kept_unprovable`); 2 bad input (a bad duration, an unknown engine, a --dir that is not
-a directory on tmpfs).
+a directory on tmpfs or hugetlbfs).
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dir",
         action="append",
         metavar="DIR",
-        help="only files in DIR, a directory on tmpfs (repeatable; a mount's root means "
-        "every file of that tmpfs)",
+        help="only files in DIR, a directory on tmpfs or hugetlbfs (repeatable; a mount's "
+        "root means every file of that filesystem)",
     )
     p.add_argument(
         "--all-namespaces",
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     selection = reap.Selection(
         min_age=reap.DEFAULT_MIN_AGE if args.min_age is None else args.min_age,
         engines=frozenset(args.engine or reap.KNOWN_ENGINES),
-        # InvalidRequestError (exit 2) for a --dir that is not a directory on tmpfs
+        # InvalidRequestError (exit 2) for a --dir that is not a directory on tmpfs or hugetlbfs
         dirs=tuple(reap.reap_dir(d) for d in args.dir) if args.dir else None,
         sysv=args.sysv,
         all_namespaces=args.all_namespaces,

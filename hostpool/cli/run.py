@@ -8,9 +8,9 @@ must have the hook: otherwise nothing would be instrumented and nothing would sa
 `run` refuses with one line saying how to fix it. Other commands (a shell script that
 starts Python, say) are run as given.
 
-With `--reap` it first removes the known engines' orphaned shared memory (tmpfs files
-no process holds, any age) on this mount namespace's tmpfs mounts, so a container
-restarted in place starts clean; a reap failure is reported and CMD runs anyway.
+With `--reap` it first removes the known engines' orphaned shared memory (tmpfs and
+hugetlbfs files no process holds, any age) on this mount namespace's mounts of them, so
+a container restarted in place starts clean; a reap failure is reported and CMD runs anyway.
 
 CMD replaces this process (exec), so the exit status is CMD's own. When CMD cannot be
 started (`hostpool.cli.exitcodes`): 2 if none or an empty one is given, an `--only` name
@@ -58,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--reap",
         action="store_true",
         help="first remove the known engines' orphaned shared memory in this mount "
-        "namespace, of any age (hostpool reap --yes --min-age 0 on its own tmpfs mounts); "
-        "a failure is a warning and CMD runs anyway",
+        "namespace, of any age (hostpool reap --yes --min-age 0 on its own tmpfs and "
+        "hugetlbfs mounts); a failure is a warning and CMD runs anyway",
     )
     p.add_argument(
         "cmd",
