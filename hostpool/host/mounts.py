@@ -31,10 +31,14 @@ from hostpool.host.bounds import Budget
 from hostpool.host.model import Area
 from hostpool.host.mountinfo import SHM_FSTYPES, MountEntry, parse_mountinfo, unescape
 
-__all__ = ["SHM_FSTYPES", "MountEntry", "TmpfsMount", "parse_mountinfo", "superblocks",
-           "tmpfs_dirs", "unescape", "walk"]  # fmt: skip
-# kubelet: <root dir, /var/lib/kubelet by default>/pods/<uid>/volumes/kubernetes.io~KIND/<name>
-_KUBELET_VOLUME: Final = re.compile(r"/pods/[^/]+/volumes/kubernetes\.io~([^/]+)/[^/]+$")
+__all__ = ["POD_UID", "SHM_FSTYPES", "KubeletVolume", "MountEntry", "TmpfsMount",
+           "kubelet_volume", "parse_mountinfo", "superblocks", "tmpfs_dirs", "unescape",
+           "walk"]  # fmt: skip
+# a pod's uid: a UUID, or a static pod's 32 hex digits (its config's hash); the systemd
+# driver's escaping writes a uid's '-' as '_'
+POD_UID: Final = r"[0-9a-f]{8}(?:[-_][0-9a-f]{4}){3}[-_][0-9a-f]{12}|[0-9a-f]{32}"
+# kubelet: <root dir, /var/lib/kubelet by default>/pods/<uid>/volumes/<plugin>/<name>
+_KUBELET_VOLUME: Final = re.compile(rf"/pods/({POD_UID})/volumes/([^/]+)/([^/]+)(?:/|$)")
 # a pod sandbox's or container's own /dev/shm tmpfs, as each runtime names its mount point:
 # containerd's CRI (`<state>/io.containerd.grpc.v1.cri/sandboxes/<id>/shm`), docker
 # (`<data-root>/containers/<id>/mounts/shm`), CRI-O and podman
@@ -51,13 +55,30 @@ _RANK: Final[dict[Area, int]] = {a: len(_PRECEDENCE) - i for i, a in enumerate(_
 View = tuple[str, Area]
 
 
+@dataclass(frozen=True, slots=True)
+class KubeletVolume:
+    """A kubelet volume's directory: `plugin` as kubelet names its directory
+    (`kubernetes.io~secret`, `kubernetes.io~projected`, `kubernetes.io~empty-dir`, ...)."""
+
+    pod_uid: str
+    plugin: str
+    name: str
+
+
+def kubelet_volume(path: str) -> KubeletVolume | None:
+    """The kubelet volume `path` (a mount point, or a path below one) is in, if any: the
+    one rule of what a kubelet volume is, for areas and for pods."""
+    m = _KUBELET_VOLUME.search(path)
+    return None if m is None else KubeletVolume(m.group(1), m.group(2), m.group(3))
+
+
 def mount_area(mountpoint: str, fstype: str) -> Area:
     """The area a mount gives the files it shows (the module's docstring)."""
     if fstype == "hugetlbfs":
         return "hugetlbfs"
-    volume = _KUBELET_VOLUME.search(mountpoint)
+    volume = kubelet_volume(mountpoint)
     if volume is not None:
-        return "empty_dir" if volume.group(1) == "empty-dir" else "kubelet_volume"
+        return "empty_dir" if volume.plugin == "kubernetes.io~empty-dir" else "kubelet_volume"
     if mountpoint == "/dev/shm" or _SANDBOX_SHM.search(mountpoint):
         return "dev_shm"
     return "system"

@@ -39,19 +39,16 @@ from typing import Final
 from hostpool.host import mountinfo
 from hostpool.host.bounds import LOCAL_FSTYPES, Budget, unsafe_on_the_way
 from hostpool.host.model import Holder, HostObject
-from hostpool.host.mounts import Namespaces
+from hostpool.host.mounts import POD_UID, KubeletVolume, Namespaces, kubelet_volume
 
 __all__ = ["NO_POD", "KubeletVolume", "PodRef", "Pods", "kubelet_volume", "parse_cgroup"]
 
-# a pod's uid: a UUID, or a static pod's 32 hex digits (its config's hash)
-_UID: Final = r"[0-9a-f]{8}(?:[-_][0-9a-f]{4}){3}[-_][0-9a-f]{12}|[0-9a-f]{32}"
 # a pod's systemd slice (the driver's escaping writes a uid's '-' as '_'), or cgroupfs' dir
 _SYSTEMD_POD: Final = re.compile(
-    rf"(?:[a-z0-9]+-)*kubepods(?:-besteffort|-burstable)?-pod({_UID})\.slice"
+    rf"(?:[a-z0-9]+-)*kubepods(?:-besteffort|-burstable)?-pod({POD_UID})\.slice"
 )
-_CGROUPFS_POD: Final = re.compile(rf"pod({_UID})")
+_CGROUPFS_POD: Final = re.compile(rf"pod({POD_UID})")
 _CONTAINER: Final = re.compile(r"(?:(?:cri-containerd|crio|docker)-)?([0-9a-f]{64})(?:\.scope)?")
-_VOLUME: Final = re.compile(rf"/pods/({_UID})/volumes/([^/]+)/([^/]+)(?:/|$)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,22 +61,6 @@ class PodRef:
 
 
 NO_POD: Final = PodRef(None, None)
-
-
-@dataclass(frozen=True, slots=True)
-class KubeletVolume:
-    """A kubelet volume's directory: `plugin` as kubelet names its directory
-    (`kubernetes.io~secret`, `kubernetes.io~projected`, `kubernetes.io~empty-dir`, ...)."""
-
-    pod_uid: str
-    plugin: str
-    name: str
-
-
-def kubelet_volume(path: str) -> KubeletVolume | None:
-    """The kubelet volume `path` (a mount point, or a path below one) is in, if any."""
-    m = _VOLUME.search(path)
-    return None if m is None else KubeletVolume(m.group(1), m.group(2), m.group(3))
 
 
 @lru_cache(maxsize=4096)
