@@ -25,7 +25,7 @@ from hostpool.host.bounds import PHASES, Budget
 from hostpool.host.mountinfo import CANDIDATES, read_table
 from hostpool.host.mounts import TmpfsMount
 from hostpool.metrics.host import HostCollector
-from tests.hostobjects import private_tmpfs
+from tests.hostobjects import private_tmpfs, ready_sleeper
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces and mounts need root")
@@ -194,21 +194,12 @@ def stalled_fuse(top: str) -> Iterator[subprocess.Popen[str]]:
     reached only through the FUSE mount). The FUSE device is closed at the end: any
     lookup still waiting fails then."""
     fuse = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+    argv = ["unshare", "-m", "--propagation", "private", sys.executable, "-c",
+            _FUSE_NAMESPACE, top, str(fuse)]  # fmt: skip
     try:
-        proc = subprocess.Popen(
-            ["unshare", "-m", "--propagation", "private", sys.executable, "-c",
-             _FUSE_NAMESPACE, top, str(fuse)],
-            stdout=subprocess.PIPE, text=True, pass_fds=(fuse,),
-        )  # fmt: skip
-    except BaseException:
-        os.close(fuse)
-        raise
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        yield proc
+        with ready_sleeper(argv, pass_fds=(fuse,)) as proc:
+            yield proc
     finally:
-        proc.kill()
-        proc.wait()
         os.close(fuse)
 
 

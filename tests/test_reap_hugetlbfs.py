@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from tests import hostobjects
 from tests.test_reap import hostpool
 
@@ -55,6 +57,14 @@ def _plant(path: str) -> None:
         os.close(fd)
 
 
+@contextmanager
+def mapped_by_child(path: str) -> Iterator[None]:
+    """A child process maps `path` (its fd closed) for the duration."""
+    argv = [sys.executable, "-c", MAPPER, path]
+    with hostobjects.ready_sleeper(argv, stdin=subprocess.PIPE):
+        yield
+
+
 def _free_hugepages() -> int:
     return int(Path("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages").read_text())
 
@@ -68,12 +78,7 @@ def test_a_hugetlbfs_orphan_is_reaped_and_a_mapped_file_kept(
         orphan, mapped = f"vllm_offload_{tag}.mmap", f"vllm_offload_{tag}m.mmap"
         _plant(f"{huge}/{orphan}")
         _plant(f"{huge}/{mapped}")
-        mapper = subprocess.Popen(
-            [sys.executable, "-c", MAPPER, f"{huge}/{mapped}"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
-            assert mapper.stdout is not None and mapper.stdout.readline().strip() == "ready"
+        with mapped_by_child(f"{huge}/{mapped}"):
             free_before = _free_hugepages()
             out = hostpool("reap", "--json", "--yes", "--min-age", "0", "--dir", huge,
                            "--engine", "vllm")  # fmt: skip
@@ -88,9 +93,6 @@ def test_a_hugetlbfs_orphan_is_reaped_and_a_mapped_file_kept(
             assert mapped not in outcomes
             assert os.path.exists(f"{huge}/{mapped}")
             assert _free_hugepages() == free_before + 1  # the orphan's page came back
-        finally:
-            mapper.kill()
-            mapper.wait()
 
 
 def test_the_lease_refuses_a_mapped_hugetlbfs_file(hugepages_2m: int, tmp_path: Path) -> None:
@@ -105,20 +107,9 @@ def test_the_lease_refuses_a_mapped_hugetlbfs_file(hugepages_2m: int, tmp_path: 
         dfd = os.open(huge, os.O_PATH | os.O_DIRECTORY)
         try:
             before = lease.seen(os.stat(name, dir_fd=dfd, follow_symlinks=False))
-            mapper = subprocess.Popen(
-                [sys.executable, "-c", MAPPER, f"{huge}/{name}"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            )  # fmt: skip
-            try:
-                assert mapper.stdout is not None and mapper.stdout.readline().strip() == "ready"
-                try:
-                    lease.unlink_unheld(dfd, name, before)
-                    raise AssertionError("a mapped hugetlbfs file was unlinked")
-                except lease.Kept as kept:
-                    assert kept.outcome == "kept_held", kept.detail
-            finally:
-                mapper.kill()
-                mapper.wait()
+            with mapped_by_child(f"{huge}/{name}"), pytest.raises(lease.Kept) as kept:
+                lease.unlink_unheld(dfd, name, before)
+            assert kept.value.outcome == "kept_held", kept.value.detail
             now = lease.seen(os.stat(name, dir_fd=dfd, follow_symlinks=False))
             assert lease.unlink_unheld(dfd, name, now).freed_bytes == HUGEPAGE
         finally:
