@@ -24,6 +24,7 @@ the policy of `hostpool.net.guard`:
 
 from __future__ import annotations
 
+import functools
 import socket
 import ssl
 import threading
@@ -60,6 +61,16 @@ WAITRESS = VersionGate(
     fallback="none: the listener serves as read from 3.x; a changed internal fails at start",
 )
 DEFAULT_CONNECTION_LIMIT = 512
+
+
+@functools.cache
+def check_waitress() -> bool:
+    """WAITRESS's verdict on the installed waitress, read once per process: at `bind`, so
+    a listener that then gives up its privileges (the exporter's, forked) keeps the
+    verdict instead of reading the package's metadata where it may no longer."""
+    return WAITRESS.check(distribution_version("waitress"))  # one warning outside its range
+
+
 REQUEST_TIMEOUT = 5.0
 IDLE_TIMEOUT = 30.0
 DRAIN_TIMEOUT = 5.0  # how long stop() lets the requests in service finish
@@ -72,6 +83,7 @@ def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port. A host or port that is not one (a name that
     does not resolve) is a ConfigError; a refusal to bind or listen (the port in use, the
     address not assigned here, a privileged port) an UnavailableError: both name it."""
+    check_waitress()
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, OverflowError, UnicodeError) as exc:
@@ -288,7 +300,7 @@ class Listener:
         threads: int = 4,
         web_config: WebConfig | None = None,
     ) -> None:
-        WAITRESS.check(distribution_version("waitress"))  # one warning outside its range
+        check_waitress()
         self.socket = sock
         self.web_config = web_config
         self.limits = _Limits(
