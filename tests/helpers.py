@@ -195,7 +195,7 @@ def run_forked(
             os.close(r)
             if prepare is not None:
                 prepare()
-            _enter_child({w}, uid)
+            enter_child({w}, uid)
             out = fn()  # type: ignore[operator]
             os.write(w, str(out).encode())
         except BaseException as exc:  # report everything, exit non-zero
@@ -329,7 +329,7 @@ def hostpool_on_tty(*args: str, timeout: float = 60) -> tuple[int, str]:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _enter_child(keep: set[int], uid: int | None) -> None:
+def enter_child(keep: set[int], uid: int | None) -> None:
     """In a forked child: close every inherited fd but `keep` (a real peer holds none of
     the parent's), make torch usable after the fork, and become `uid` if given."""
     low = 3
@@ -376,7 +376,7 @@ class Held:
                 os.close(stop_w)
                 if prepare is not None:
                     prepare()
-                _enter_child({ready_w, stop_r}, uid)
+                enter_child({ready_w, stop_r}, uid)
                 result = fn()
                 os.write(ready_w, json.dumps({"result": result}).encode() + b"\n")
                 os.read(stop_r, 1)

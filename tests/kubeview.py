@@ -242,7 +242,7 @@ def _scrape_text(argv: list[str]) -> str:
     return text
 
 
-def _reachable_by_every_uid() -> None:
+def reachable_by_every_uid() -> None:
     """Let the pods' uid reach this checkout, in this mount namespace only. A clone under
     a directory others cannot search (`mktemp -d` makes it 0700) is otherwise out of
     their reach: each such directory is covered by a 0755 tmpfs that holds its one entry
@@ -263,7 +263,7 @@ def _reachable_by_every_uid() -> None:
 
 
 def node(token: str) -> None:
-    _reachable_by_every_uid()
+    reachable_by_every_uid()
     _mount_tmpfs("/dev/shm")
     _write(f"/dev/shm/psm_{token}_node", 0o600)  # the node's own orphan
     held = _segment(0o666)  # attached by the first pod's engine
@@ -416,6 +416,7 @@ def _views(token: str, pods: set[str]) -> dict[str, Any]:
 
 
 def kubelet(token: str, workdir: str) -> None:
+    reachable_by_every_uid()
     os.makedirs(f"{workdir}/lib")
     subprocess.run(["mount", "--bind", f"{workdir}/lib", "/var/lib"], check=True)
     _mount_tmpfs("/run")

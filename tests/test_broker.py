@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -63,16 +64,20 @@ l.close()
 
 
 class Lessee:
-    """A real lessee process and the JSON line it printed (waited on: a pipe)."""
+    """A real lessee process and the JSON line it printed (waited on: a pipe). With `uid`
+    it is forked from this process after its imports and becomes that uid (a uid that may
+    not read this checkout, under a 0700 directory, could not start an interpreter on it):
+    it runs the same script."""
 
-    def __init__(self, path: str, pool: str, mode: str, *extra: str, prefix: tuple[str, ...] = ()):
-        self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-c", textwrap.dedent(LESSEE), path, pool, mode, *extra],
-            cwd=helpers.ROOT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+    def __init__(self, path: str, pool: str, mode: str, *extra: str, uid: int | None = None):
+        argv = [path, pool, mode, *extra]
+        if uid is None:
+            self.proc: subprocess.Popen[str] | ForkedLessee = subprocess.Popen(
+                [sys.executable, "-c", textwrap.dedent(LESSEE), *argv],
+                cwd=helpers.ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+        else:
+            self.proc = ForkedLessee(argv, uid)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         assert line, f"lessee exited {self.proc.wait()} without a report"
@@ -87,6 +92,65 @@ class Lessee:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+
+
+class ForkedLessee:
+    """LESSEE run in a child forked from this process as `uid` (groups cleared, its gid
+    the uid's number), with pipes for its stdin and stdout: what `Lessee` reads of a
+    Popen."""
+
+    def __init__(self, argv: list[str], uid: int) -> None:
+        import hostpool.broker  # imported as root, before the fork
+        import hostpool.errors  # noqa: F401
+
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                os.dup2(in_r, 0)
+                os.dup2(out_w, 1)
+                helpers.enter_child({0, 1, 2}, uid)
+                sys.stdin, sys.stdout = open(0), open(1, "w")  # noqa: SIM115
+                sys.argv = ["lessee", *argv]
+                try:
+                    exec(compile(textwrap.dedent(LESSEE), "lessee", "exec"), {})
+                    code = 0
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else 1
+            finally:
+                sys.stdout.flush()
+                os._exit(code)
+        os.close(in_r)
+        os.close(out_w)
+        self.pid = pid
+        self.stdin: Any = open(in_w, "w")  # noqa: SIM115
+        self.stdout: Any = open(out_r)  # noqa: SIM115
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.poll() is None:  # its pidfd turns readable when it exits: the event
+            pidfd = os.pidfd_open(self.pid)
+            try:
+                select.select([pidfd], [], [], timeout or waiting.DEADLINE)
+            finally:
+                os.close(pidfd)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired("forked lessee", timeout or waiting.DEADLINE)
+        self.stdout.close()
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
 
 
 def metric(served: Served, name: str, **labels: str) -> float | None:
@@ -259,8 +323,7 @@ def test_only_the_brokers_uid_may_lease(public_dir: str) -> None:
         t = manager.allocator("kv").allocate((MiB,), torch.uint8)
         with Broker(manager, path, allowed_uids=[4242]) as broker, capture_logs() as logs:
             assert os.stat(path).st_mode & 0o777 == 0o666  # reachable, and checked
-            setpriv = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
-            lessee = Lessee(path, "kv", "read", prefix=setpriv)
+            lessee = Lessee(path, "kv", "read", uid=65534)
             assert lessee.proc.wait(timeout=waiting.DEADLINE) == 1
             assert "not allowed" in lessee.report["error"], lessee.report
             assert broker.book.leases() == {}
@@ -289,14 +352,12 @@ def test_a_configured_group_may_lease_and_no_one_else(
     served = start_serve(tmp_path, "--pool", "kv=4MiB", "--share-socket", sock,
                          "--share-group", group)  # fmt: skip
     try:
-        member = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
-        lessee = Lessee(sock, "kv", "fill", prefix=member)
+        lessee = Lessee(sock, "kv", "fill", uid=65534)
         try:
             assert lessee.report["size"] == 4 * MiB and lessee.report["firsts"] == [1]
         finally:
             assert lessee.end() == 0
-        stranger = ("setpriv", "--reuid=4242", "--regid=4242", "--clear-groups")
-        refused = Lessee(sock, "kv", "read", prefix=stranger)
+        refused = Lessee(sock, "kv", "read", uid=4242)
         assert refused.proc.wait(timeout=waiting.DEADLINE) == 1
         assert "not allowed" in refused.report["error"]
         assert '"uid": 4242' in served.log() and "uid not allowed" in served.log()
