@@ -111,7 +111,10 @@ def test_the_node_view_panels_have_data(stack: tuple[str, str]) -> None:
     empty = [
         (title, expr)
         for title, expr in queries
-        if title in wanted and not prometheus_api(base, "query", query=expr)["result"]
+        if title in wanted
+        # the phase a scan ran out of time in: a series only while one does
+        and "hostpool_host_scrape_truncated_phase" not in expr
+        and not prometheus_api(base, "query", query=expr)["result"]
     ]
     assert empty == []
 

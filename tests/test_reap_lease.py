@@ -530,8 +530,8 @@ def test_reap_yes_keeps_what_it_cannot_prove_and_exits_1() -> None:
         # the checkout within uid 65534's reach in that namespace (a clone under a 0700
         # directory is not): tests/kubeview.reachable_by_every_uid, run there as root
         reach = "from tests.kubeview import reachable_by_every_uid; reachable_by_every_uid()"
-        subprocess.run(["nsenter", "-t", str(pid), "-m", "--", PY, "-c", reach],
-                       cwd=helpers.ROOT, check=True, timeout=TIMEOUT)  # fmt: skip
+        subprocess.run(["nsenter", "-t", str(pid), "-m", f"--wd={helpers.ROOT}", "--", PY, "-c",
+                        reach], cwd=helpers.ROOT, check=True, timeout=TIMEOUT)  # fmt: skip
         out = subprocess.run(
             ["nsenter", "-t", str(pid), "-m", f"--wd={helpers.ROOT}", "--", "setpriv",
              f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", PY, "-m", "hostpool",
