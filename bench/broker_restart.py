@@ -148,7 +148,8 @@ def engine_restart(with_broker: bool, workdir: Path) -> dict[str, Any]:
         serve, _ = start_serve(96 << 20, sock, workdir / "serve.log")
         extra = {"hostpool_broker": sock, "hostpool_pool": "bench"}
     args = ["--kv-transfer-config", json.dumps(offloading_config(extra))]
-    env = {"TMPDIR": str(workdir)}
+    # vLLM's temporary files and ZMQ sockets (which a killed server leaves) in the workdir
+    env = {"TMPDIR": str(workdir), "VLLM_RPC_BASE_PATH": str(workdir)}
     shm_before = set(os.listdir("/dev/shm"))
     try:
         with other_cpu() as load:
